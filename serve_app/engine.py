@@ -1,0 +1,171 @@
+"""The engine behind a small protocol; ``VLLMEngine`` (one vLLM ``AsyncLLM``) is the real one.
+
+The engine is fed token ids (the preprocessor already tokenized), streams deltas, and aborts the
+vLLM request when its consumer goes away (``AsyncLLM.generate`` aborts on cancellation).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+from serve_app.config import AppConfig
+from serve_app.errors import APIError
+from serve_app.messages import EngineChunk, EngineRequest, EngineStep, TokenLogprob, TopLogprob
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+
+logger = logging.getLogger("serve_app.engine")
+
+
+class Engine(Protocol):
+    """What the serving layer needs from an engine."""
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def check_health(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+def engine_args(config: AppConfig, model_path: str) -> dict[str, Any]:
+    """vLLM engine arguments derived from the app config (logged at start for comparisons)."""
+    model, engine = config.model, config.engine
+    args: dict[str, Any] = {
+        "model": model_path,
+        "served_model_name": model.public_name,
+        "dtype": model.dtype,
+        "max_model_len": model.max_model_len,
+        "trust_remote_code": model.trust_remote_code,
+        "tensor_parallel_size": engine.tensor_parallel_size,
+        "pipeline_parallel_size": engine.pipeline_parallel_size,
+        "block_size": engine.block_size,
+        "enable_prefix_caching": engine.enable_prefix_caching,
+        "max_num_seqs": engine.max_num_seqs,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
+        "enforce_eager": engine.enforce_eager,
+        "seed": engine.seed,
+        # Priority scheduling lets interactive requests overtake background ones.
+        "scheduling_policy": "priority",
+        # The preprocessor's defaults are the only defaults (documented precedence).
+        "generation_config": "vllm",
+    }
+    if engine.resolved_device() == "gpu":
+        args["gpu_memory_utilization"] = engine.gpu_memory_utilization
+        if engine.world_size > 1:
+            args["distributed_executor_backend"] = "ray"
+    if model.rope_scaling:
+        args["hf_overrides"] = {"rope_scaling": model.rope_scaling}
+    return {key: value for key, value in args.items() if value is not None}
+
+
+def to_sampling_params(request: EngineRequest) -> SamplingParams:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    spec = request.sampling
+    return SamplingParams(
+        n=spec.n,
+        max_tokens=spec.max_tokens,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k,
+        min_p=spec.min_p,
+        seed=spec.seed,
+        stop=list(spec.stop),
+        stop_token_ids=list(spec.stop_token_ids),
+        include_stop_str_in_output=spec.include_stop_str_in_output,
+        presence_penalty=spec.presence_penalty,
+        frequency_penalty=spec.frequency_penalty,
+        repetition_penalty=spec.repetition_penalty,
+        logit_bias=spec.logit_bias,
+        logprobs=spec.logprobs,
+        min_tokens=spec.min_tokens,
+        ignore_eos=spec.ignore_eos,
+        skip_special_tokens=spec.skip_special_tokens,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def _convert_logprobs(token_ids: Any, logprobs: Any, top_n: int) -> list[TokenLogprob]:
+    out = []
+    for token_id, position in zip(token_ids, logprobs, strict=False):
+        chosen = position[token_id]
+        ranked = sorted(position.items(), key=lambda item: item[1].rank or 0)
+        top = tuple(
+            TopLogprob(entry.decoded_token or "", entry.logprob) for _, entry in ranked[:top_n]
+        )
+        out.append(TokenLogprob(chosen.decoded_token or "", chosen.logprob, top))
+    return out
+
+
+class VLLMEngine:
+    """One vLLM ``AsyncLLM`` in this process (its engine core runs in a child process)."""
+
+    def __init__(self, config: AppConfig, model_path: str) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = engine_args(config, model_path)
+        logger.info("Starting vLLM AsyncLLM with %s", args)
+        self.resolved_args = args
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        self.max_model_len: int = self._llm.model_config.max_model_len
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        params = to_sampling_params(request)
+        top_n = request.sampling.logprobs or 0
+        stream = self._llm.generate(
+            TokensPrompt(prompt_token_ids=request.prompt_token_ids),
+            params,
+            request.request_id,
+            priority=request.priority,
+        )
+        try:
+            async for output in stream:
+                chunks = [
+                    EngineChunk(
+                        index=c.index,
+                        text=c.text,
+                        token_ids=list(c.token_ids),
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                        logprobs=None
+                        if c.logprobs is None
+                        else _convert_logprobs(c.token_ids, c.logprobs, top_n),
+                    )
+                    for c in output.outputs
+                ]
+                yield EngineStep(
+                    chunks=chunks,
+                    prompt_tokens=len(request.prompt_token_ids),
+                    cached_tokens=output.num_cached_tokens,
+                    finished=output.finished,
+                )
+        except EngineDeadError as exc:
+            raise APIError(
+                f"The engine died ({exc}); the replica is being replaced, retry shortly.",
+                status=503,
+                type="server_error",
+                code="engine_unavailable",
+            ) from exc
+        except ValueError as exc:  # vLLM's own validation of params we could not pre-check.
+            raise APIError(str(exc), param=None) from exc
+        finally:
+            await stream.aclose()
+
+    async def abort(self, request_id: str) -> None:
+        await self._llm.abort(request_id)
+
+    async def check_health(self) -> None:
+        await self._llm.check_health()
+
+    def shutdown(self) -> None:
+        self._llm.shutdown()

@@ -1,0 +1,76 @@
+"""OpenAI-style errors: one exception type, rendered as ``{"error": {...}}`` by the router."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """A client-facing error; plain data so it can cross deployment hops by value."""
+
+    message: str
+    status: int = 400
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+    def body(self) -> dict[str, Any]:
+        fields = asdict(self)
+        fields.pop("status")
+        return {"error": fields}
+
+
+class APIError(Exception):
+    """Raised anywhere below the router; the router turns it into a JSON response."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.info = ErrorInfo(message, status, type, param, code)
+
+    @classmethod
+    def from_info(cls, info: ErrorInfo) -> APIError:
+        return cls(
+            info.message, status=info.status, type=info.type, param=info.param, code=info.code
+        )
+
+
+def model_not_found(model: str, available: list[str]) -> APIError:
+    return APIError(
+        f"The model `{model}` does not exist. Available models: {', '.join(available)}.",
+        status=404,
+        param="model",
+        code="model_not_found",
+    )
+
+
+def context_length_exceeded(
+    *, prompt_tokens: int, max_tokens: int | None, max_model_len: int, param: str
+) -> APIError:
+    if max_tokens is None:
+        detail = f"your prompt has {prompt_tokens} tokens"
+        fix = "Shorten the prompt."
+    else:
+        detail = (
+            f"you requested {prompt_tokens + max_tokens} tokens "
+            f"({prompt_tokens} in the prompt, {max_tokens} for the completion)"
+        )
+        fix = "Reduce the length of the prompt or max_tokens."
+    return APIError(
+        f"This model's maximum context length is {max_model_len} tokens. However, {detail}. {fix}",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+def server_error(message: str, *, status: int = 500) -> APIError:
+    return APIError(message, status=status, type="server_error", code="internal_error")

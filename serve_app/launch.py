@@ -1,0 +1,117 @@
+"""Start a Serve config file locally, wait until it answers, print where it listens.
+
+``python -m serve_app.launch serve_config.cpu.yaml`` is what ``make serve`` runs; tests use
+``start`` with the same code path. The Ray dashboard binds to localhost only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+
+def load_serve_config(path: str | Path) -> dict[str, Any]:
+    data = yaml.safe_load(Path(path).read_text())
+    if not isinstance(data, dict) or not data.get("applications"):
+        raise SystemExit(f"{path}: not a Serve config (needs an `applications:` list)")
+    return data
+
+
+def wait_ready(base_url: str, timeout_s: float = 600) -> dict[str, Any]:
+    """Poll /v1/models until the whole graph (router → preprocessor) answers."""
+    deadline = time.monotonic() + timeout_s
+    last_error = "no answer yet"
+    while time.monotonic() < deadline:
+        try:
+            response = httpx.get(f"{base_url}/v1/models", timeout=10)
+            if response.status_code == 200:
+                return dict(response.json())
+            last_error = f"HTTP {response.status_code}: {response.text[:200]}"
+        except httpx.HTTPError as exc:
+            last_error = str(exc)
+        time.sleep(1)
+    raise TimeoutError(f"{base_url} not ready after {timeout_s:.0f} s: {last_error}")
+
+
+def start(
+    serve_config: dict[str, Any],
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> list[str]:
+    """Start Ray (if needed) and every application in the config; return their base URLs."""
+    import ray
+    from ray import serve
+
+    from serve_app import build_app
+
+    http = dict(serve_config.get("http_options") or {})
+    host = host or http.get("host", "127.0.0.1")
+    port = port or int(http.get("port", 8000))
+    if not ray.is_initialized():
+        ray.init(include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=False)
+    serve.start(http_options={"host": host, "port": port})
+    urls = []
+    for app in serve_config["applications"]:
+        args = _merge(app.get("args") or {}, overrides or {})
+        prefix = app.get("route_prefix", "/")
+        serve.run(
+            build_app(args), name=app.get("name", "default"), route_prefix=prefix, blocking=False
+        )
+        urls.append(
+            f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}{prefix.rstrip('/')}"
+        )
+    return urls
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = (
+            _merge(out[key], value)
+            if isinstance(value, dict) and isinstance(out.get(key), dict)
+            else value
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", default="serve_config.cpu.yaml")
+    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--host", default=None)
+    args = parser.parse_args(argv)
+    serve_config = load_serve_config(args.config)
+    print(
+        f"Starting {args.config} (first start prepares the model and the engine; ~1 min)…",
+        flush=True,
+    )
+    urls = start(serve_config, host=args.host, port=args.port)
+    for url in urls:
+        models = wait_ready(url)
+        names = ", ".join(m["id"] for m in models["data"])
+        print(f"\nReady: OpenAI API at {url}/v1 (model: {names})", flush=True)
+    print("Ray dashboard (localhost only): http://127.0.0.1:8265", flush=True)
+    print("Press Ctrl-C to stop.", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
+    print("Shutting down…", flush=True)
+    from ray import serve
+
+    serve.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

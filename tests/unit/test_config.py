@@ -1,0 +1,75 @@
+"""Config validation: bounds, clear errors, derived placement and environment."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from serve_app.config import AppConfig, EngineConfig, ReplicaConfig
+from serve_app.preprocess import derive_max_model_len
+
+
+def test_defaults_are_valid() -> None:
+    config = AppConfig()
+    assert config.model.name == "smollm2-135m-instruct"
+    assert config.preprocessor.batch_wait_timeout_s == 0.01
+    assert config.engine.enable_prefix_caching
+
+
+@pytest.mark.parametrize(
+    ("section", "patch", "fragment"),
+    [
+        ("engine", {"block_size": 24}, "power of two"),
+        ("engine", {"tensor_parallel_size": 0}, "greater than or equal to 1"),
+        ("engine", {"no_such_field": 1}, "Extra inputs"),
+        ("preprocessor", {"batch_wait_timeout_s": 5}, "less than or equal to 1"),
+        ("router", {"min_replicas": 3, "max_replicas": 2}, "exceeds max_replicas"),
+        ("model", {"max_model_len": 4}, "greater than or equal to 16"),
+    ],
+)
+def test_bad_fields_fail_with_the_field_named(
+    section: str, patch: dict[str, object], fragment: str
+) -> None:
+    with pytest.raises(ValidationError) as info:
+        AppConfig.model_validate({section: patch})
+    assert fragment in str(info.value)
+    assert section in str(info.value)
+
+
+def test_gpu_placement_is_derived_from_parallel_sizes() -> None:
+    engine = EngineConfig(device="gpu", tensor_parallel_size=4)
+    bundles, strategy = engine.placement() or ([], "")
+    assert strategy == "STRICT_PACK"
+    assert sum(b.get("GPU", 0) for b in bundles) == 4 and len(bundles) == 4
+    pipeline = EngineConfig(device="gpu", tensor_parallel_size=2, pipeline_parallel_size=2)
+    bundles, strategy = pipeline.placement() or ([], "")
+    assert strategy == "PACK" and len(bundles) == 4
+
+
+def test_cpu_engine_has_no_placement_group_but_kv_env() -> None:
+    engine = EngineConfig(device="cpu", kv_cache_space_gib=3, env={"EXTRA": "1"})
+    assert engine.placement() is None
+    env = engine.runtime_env_vars()
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["EXTRA"] == "1"
+
+
+def test_autoscaling_options() -> None:
+    options = ReplicaConfig(num_replicas="auto", min_replicas=1, max_replicas=3).deployment_options()
+    assert options["autoscaling_config"]["max_replicas"] == 3
+    assert "num_replicas" not in options
+
+
+class _HFConfig:
+    max_position_embeddings = 32768
+
+
+def test_max_model_len_beyond_the_model_names_the_fix() -> None:
+    config = AppConfig.model_validate({"model": {"max_model_len": 131072}})
+    with pytest.raises(ValueError, match="rope_scaling"):
+        derive_max_model_len(config, _HFConfig())
+    scaled = AppConfig.model_validate(
+        {"model": {"max_model_len": 131072, "rope_scaling": {
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}}
+    )
+    assert derive_max_model_len(scaled, _HFConfig()) == 131072
+    assert derive_max_model_len(AppConfig(), _HFConfig()) == 32768

@@ -1,0 +1,118 @@
+"""Protocol validation and the request → sampling conversion (no Ray, no engine)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest, GenerationDefaults
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_chat_defaults_follow_openai() -> None:
+    spec = ChatCompletionRequest.model_validate(CHAT).to_sampling_spec(GenerationDefaults())
+    assert (spec.temperature, spec.top_p, spec.n, spec.max_tokens) == (1.0, 1.0, 1, None)
+    assert spec.logprobs is None and spec.stop == ()
+
+
+def test_precedence_request_then_server_default_then_openai() -> None:
+    defaults = GenerationDefaults(temperature=0.3, max_tokens=50)
+    spec = ChatCompletionRequest.model_validate(CHAT).to_sampling_spec(defaults)
+    assert spec.temperature == 0.3 and spec.max_tokens == 50 and spec.top_p == 1.0
+    request = ChatCompletionRequest.model_validate({**CHAT, "temperature": 0, "max_tokens": 7})
+    spec = request.to_sampling_spec(defaults)
+    assert spec.temperature == 0 and spec.max_tokens == 7
+
+
+def test_max_completion_tokens_wins_over_deprecated_max_tokens() -> None:
+    request = ChatCompletionRequest.model_validate(
+        {**CHAT, "max_tokens": 9, "max_completion_tokens": 4}
+    )
+    assert request.to_sampling_spec(GenerationDefaults()).max_tokens == 4
+    assert request.max_tokens_param == "max_completion_tokens"
+
+
+def test_stop_string_and_list_and_logprobs() -> None:
+    one = ChatCompletionRequest.model_validate({**CHAT, "stop": "x"})
+    assert one.to_sampling_spec(GenerationDefaults()).stop == ("x",)
+    many = ChatCompletionRequest.model_validate(
+        {**CHAT, "stop": ["a", "b"], "logprobs": True, "top_logprobs": 3}
+    )
+    spec = many.to_sampling_spec(GenerationDefaults())
+    assert spec.stop == ("a", "b") and spec.logprobs == 3
+
+
+def test_logit_bias_keys_become_token_ids() -> None:
+    request = ChatCompletionRequest.model_validate({**CHAT, "logit_bias": {"12": -100}})
+    assert request.to_sampling_spec(GenerationDefaults()).logit_bias == {12: -100}
+    with pytest.raises(ValidationError, match="token ids"):
+        ChatCompletionRequest.model_validate({**CHAT, "logit_bias": {"abc": 1}})
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [
+        {"temperature": -1},
+        {"temperature": 2.5},
+        {"top_p": 0},
+        {"n": 0},
+        {"max_tokens": 0},
+        {"presence_penalty": 3},
+        {"top_logprobs": 3},
+        {"messages": []},
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        {"messages": [{"role": "user"}]},
+        {"messages": [{"role": "tool", "content": "x"}]},
+        {"stream_options": {"include_usage": True}},
+        {"temperature": math.nan},
+    ],
+)
+def test_chat_rejects_bad_values(patch: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({**CHAT, **patch})
+
+
+def test_unknown_fields_are_accepted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
+    request = ChatCompletionRequest.model_validate({**CHAT, "brand_new_field": 1})
+    assert request.model_extra == {"brand_new_field": 1}
+    assert "brand_new_field" in caplog.text
+
+
+def test_content_parts_flatten_for_the_template() -> None:
+    message = ChatCompletionRequest.model_validate(
+        {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                           {"type": "text", "text": "b"}]}]}
+    ).messages[0]
+    assert message.to_template_dict() == {"role": "user", "content": "ab"}
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("hi", ["hi"]),
+        (["a", "b"], ["a", "b"]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        ([[1], [2, 3]], [[1], [2, 3]]),
+    ],
+)
+def test_completion_prompt_shapes(prompt: object, expected: list[object]) -> None:
+    request = CompletionRequest.model_validate({"model": "m", "prompt": prompt})
+    assert request.prompt_list() == expected
+
+
+def test_completion_defaults_to_16_tokens_like_openai() -> None:
+    request = CompletionRequest.model_validate({"model": "m", "prompt": "x"})
+    assert request.to_sampling_spec(GenerationDefaults()).max_tokens == 16
+
+
+@pytest.mark.parametrize(
+    "patch",
+    [{"prompt": []}, {"prompt": [-1]}, {"logprobs": 21}, {"best_of": 3}, {"suffix": "x"},
+     {"prompt": 5}],
+)
+def test_completion_rejects_bad_values(patch: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", **patch})

@@ -1,0 +1,138 @@
+"""The serving core with fake preprocess/engine callables: response assembly, SSE, usage.
+
+Fakes are only for this layer; the serve tier runs the same code on real Ray + vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+
+from serve_app import chat, completions
+from serve_app.config import AppConfig
+from serve_app.errors import APIError, ErrorInfo
+from serve_app.messages import (
+    EngineChunk,
+    EngineRequest,
+    EngineStep,
+    PreprocessRequest,
+    PreprocessResult,
+    TokenizedPrompt,
+)
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.serving import OpenAIServing
+
+WORDS = ["Hello", " there", "!"]
+
+
+async def fake_preprocess(request: PreprocessRequest) -> PreprocessResult:
+    if request.kind == "chat":
+        prompts = [TokenizedPrompt([1, 2, 3], "chat")]
+    else:
+        prompts = [TokenizedPrompt([7] * (i + 1), str(p)) for i, p in enumerate(request.prompts or [])]
+    return PreprocessResult(prompts=prompts, sampling=request.sampling.with_max_tokens(3))
+
+
+async def fake_generate(request: EngineRequest) -> AsyncIterator[EngineStep | ErrorInfo]:
+    for position, word in enumerate(WORDS):
+        last = position == len(WORDS) - 1
+        chunks = [
+            EngineChunk(index=i, text=word, token_ids=[position], finish_reason="length" if last else None)
+            for i in range(request.sampling.n)
+        ]
+        yield EngineStep(chunks, prompt_tokens=len(request.prompt_token_ids), cached_tokens=1,
+                         finished=last)
+
+
+def serving(generate=fake_generate, preprocess=fake_preprocess) -> OpenAIServing:  # type: ignore[no-untyped-def]
+    return OpenAIServing(AppConfig(), preprocess, generate)
+
+
+def chat_request(**extra: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(
+        {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "hi"}], **extra}
+    )
+
+
+async def test_chat_full_response_with_n_and_usage() -> None:
+    response = await chat.chat_completion(serving(), chat_request(n=2))
+    assert not isinstance(response, AsyncIterator)
+    assert [c.message.content for c in response.choices] == ["Hello there!"] * 2
+    assert [c.finish_reason for c in response.choices] == ["length", "length"]
+    assert response.usage.prompt_tokens == 3 and response.usage.completion_tokens == 6
+    assert response.usage.total_tokens == 9
+    assert response.usage.prompt_tokens_details is not None
+    assert response.usage.prompt_tokens_details.cached_tokens == 1
+
+
+async def _events(stream: AsyncIterator[str]) -> list[str]:
+    return [line async for line in stream]
+
+
+async def test_chat_stream_is_sse_with_role_first_usage_last_and_done() -> None:
+    stream = await chat.chat_completion(
+        serving(), chat_request(stream=True, stream_options={"include_usage": True})
+    )
+    assert isinstance(stream, AsyncIterator)
+    events = await _events(stream)
+    assert all(e.startswith("data: ") and e.endswith("\n\n") for e in events)
+    assert events[-1] == "data: [DONE]\n\n"
+    bodies = [json.loads(e[6:]) for e in events[:-1]]
+    assert bodies[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(b["choices"][0]["delta"].get("content", "") for b in bodies if b["choices"])
+    assert text == "Hello there!"
+    assert bodies[-1]["choices"] == [] and bodies[-1]["usage"]["completion_tokens"] == 3
+
+
+async def test_completion_multi_prompt_indexes_and_echo() -> None:
+    request = CompletionRequest.model_validate(
+        {"model": "smollm2-135m-instruct", "prompt": ["a", "b"], "n": 2, "echo": True}
+    )
+    response = await completions.completion(serving(), request)
+    assert not isinstance(response, AsyncIterator)
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    assert [c.text for c in response.choices] == ["aHello there!"] * 2 + ["bHello there!"] * 2
+    assert response.usage is not None and response.usage.prompt_tokens == 1 + 2
+
+
+async def test_unknown_model_is_404() -> None:
+    with pytest.raises(APIError) as info:
+        await chat.chat_completion(serving(), chat_request(model="gpt-9"))
+    assert info.value.info.status == 404 and info.value.info.code == "model_not_found"
+
+
+async def test_preprocess_error_surfaces_before_any_engine_call() -> None:
+    calls = []
+
+    async def rejecting(request: PreprocessRequest) -> PreprocessResult:
+        return PreprocessResult(error=ErrorInfo("too long", param="messages",
+                                                code="context_length_exceeded"))
+
+    async def generate(request: EngineRequest) -> AsyncIterator[EngineStep | ErrorInfo]:
+        calls.append(request)
+        yield ErrorInfo("unreachable")
+
+    with pytest.raises(APIError) as info:
+        await chat.chat_completion(serving(generate, rejecting), chat_request())
+    assert info.value.info.code == "context_length_exceeded" and calls == []
+
+
+async def test_engine_error_before_first_token_raises_and_mid_stream_becomes_event() -> None:
+    async def dead(request: EngineRequest) -> AsyncIterator[EngineStep | ErrorInfo]:
+        yield ErrorInfo("engine died", status=503, type="server_error")
+
+    with pytest.raises(APIError) as info:
+        await chat.chat_completion(serving(dead), chat_request(stream=True))
+    assert info.value.info.status == 503
+
+    async def dies_later(request: EngineRequest) -> AsyncIterator[EngineStep | ErrorInfo]:
+        yield EngineStep([EngineChunk(0, "Hi", [1])], prompt_tokens=3)
+        yield ErrorInfo("engine died", status=503, type="server_error")
+
+    stream = await chat.chat_completion(serving(dies_later), chat_request(stream=True))
+    assert isinstance(stream, AsyncIterator)
+    events = await _events(stream)
+    assert json.loads(events[-2][6:])["error"]["message"] == "engine died"
+    assert events[-1] == "data: [DONE]\n\n"
