@@ -94,7 +94,7 @@ class SamplingFields(OpenAIModel):
     @model_validator(mode="after")
     def _check_stream_options(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise ValueError("stream_options: only allowed when stream is true")
         return self
 
     def _sampling_spec(

@@ -76,9 +76,9 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise ValueError("top_logprobs: requires logprobs to be true")
         if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message needs add_generation_prompt set to false")
+            raise ValueError("continue_final_message: needs add_generation_prompt set to false")
         return self
 
     @property
@@ -112,9 +112,9 @@ class CompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of other than n is not supported; use n")
+            raise ValueError("best_of: values other than n are not supported; use n")
         if self.suffix:
-            raise ValueError("suffix is not supported by this server")
+            raise ValueError("suffix: not supported by this server")
         return self
 
     def prompt_list(self) -> list[str | list[int]]:

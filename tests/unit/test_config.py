@@ -54,7 +54,9 @@ def test_cpu_engine_has_no_placement_group_but_kv_env() -> None:
 
 
 def test_autoscaling_options() -> None:
-    options = ReplicaConfig(num_replicas="auto", min_replicas=1, max_replicas=3).deployment_options()
+    options = ReplicaConfig(
+        num_replicas="auto", min_replicas=1, max_replicas=3
+    ).deployment_options()
     assert options["autoscaling_config"]["max_replicas"] == 3
     assert "num_replicas" not in options
 
@@ -68,8 +70,16 @@ def test_max_model_len_beyond_the_model_names_the_fix() -> None:
     with pytest.raises(ValueError, match="rope_scaling"):
         derive_max_model_len(config, _HFConfig())
     scaled = AppConfig.model_validate(
-        {"model": {"max_model_len": 131072, "rope_scaling": {
-            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}}
+        {
+            "model": {
+                "max_model_len": 131072,
+                "rope_scaling": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 32768,
+                },
+            }
+        }
     )
     assert derive_max_model_len(scaled, _HFConfig()) == 131072
     assert derive_max_model_len(AppConfig(), _HFConfig()) == 32768

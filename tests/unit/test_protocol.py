@@ -83,8 +83,15 @@ def test_unknown_fields_are_accepted_and_logged(caplog: pytest.LogCaptureFixture
 
 def test_content_parts_flatten_for_the_template() -> None:
     message = ChatCompletionRequest.model_validate(
-        {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                           {"type": "text", "text": "b"}]}]}
+        {
+            **CHAT,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                }
+            ],
+        }
     ).messages[0]
     assert message.to_template_dict() == {"role": "user", "content": "ab"}
 
@@ -110,8 +117,14 @@ def test_completion_defaults_to_16_tokens_like_openai() -> None:
 
 @pytest.mark.parametrize(
     "patch",
-    [{"prompt": []}, {"prompt": [-1]}, {"logprobs": 21}, {"best_of": 3}, {"suffix": "x"},
-     {"prompt": 5}],
+    [
+        {"prompt": []},
+        {"prompt": [-1]},
+        {"logprobs": 21},
+        {"best_of": 3},
+        {"suffix": "x"},
+        {"prompt": 5},
+    ],
 )
 def test_completion_rejects_bad_values(patch: dict[str, object]) -> None:
     with pytest.raises(ValidationError):

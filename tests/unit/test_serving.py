@@ -31,7 +31,9 @@ async def fake_preprocess(request: PreprocessRequest) -> PreprocessResult:
     if request.kind == "chat":
         prompts = [TokenizedPrompt([1, 2, 3], "chat")]
     else:
-        prompts = [TokenizedPrompt([7] * (i + 1), str(p)) for i, p in enumerate(request.prompts or [])]
+        prompts = [
+            TokenizedPrompt([7] * (i + 1), str(p)) for i, p in enumerate(request.prompts or [])
+        ]
     return PreprocessResult(prompts=prompts, sampling=request.sampling.with_max_tokens(3))
 
 
@@ -39,11 +41,14 @@ async def fake_generate(request: EngineRequest) -> AsyncIterator[EngineStep | Er
     for position, word in enumerate(WORDS):
         last = position == len(WORDS) - 1
         chunks = [
-            EngineChunk(index=i, text=word, token_ids=[position], finish_reason="length" if last else None)
+            EngineChunk(
+                index=i, text=word, token_ids=[position], finish_reason="length" if last else None
+            )
             for i in range(request.sampling.n)
         ]
-        yield EngineStep(chunks, prompt_tokens=len(request.prompt_token_ids), cached_tokens=1,
-                         finished=last)
+        yield EngineStep(
+            chunks, prompt_tokens=len(request.prompt_token_ids), cached_tokens=1, finished=last
+        )
 
 
 def serving(generate=fake_generate, preprocess=fake_preprocess) -> OpenAIServing:  # type: ignore[no-untyped-def]
@@ -107,8 +112,9 @@ async def test_preprocess_error_surfaces_before_any_engine_call() -> None:
     calls = []
 
     async def rejecting(request: PreprocessRequest) -> PreprocessResult:
-        return PreprocessResult(error=ErrorInfo("too long", param="messages",
-                                                code="context_length_exceeded"))
+        return PreprocessResult(
+            error=ErrorInfo("too long", param="messages", code="context_length_exceeded")
+        )
 
     async def generate(request: EngineRequest) -> AsyncIterator[EngineStep | ErrorInfo]:
         calls.append(request)

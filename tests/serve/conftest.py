@@ -1,0 +1,52 @@
+"""Serve tier: the real app (Ray Serve + vLLM CPU + the real SmolLM2 model), once per session."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+from serve_app.launch import load_serve_config, start, wait_ready
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "smollm2-135m-instruct"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/serve" in str(item.fspath):
+            item.add_marker(pytest.mark.serve)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def base_url() -> Iterator[str]:
+    """The CPU serve config as shipped, on a free loopback port."""
+    import ray
+    from ray import serve
+
+    config = load_serve_config(ROOT / "serve_config.cpu.yaml")
+    # A smaller KV cache than `make serve` keeps room for a second engine (tiny-qwen2).
+    urls = start(config, port=_free_port(), overrides={"engine": {"kv_cache_space_gib": 1}})
+    wait_ready(urls[0], timeout_s=600)
+    yield urls[0]
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def client(base_url: str) -> OpenAI:
+    return OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture
+def async_client(base_url: str) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
