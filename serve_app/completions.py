@@ -129,7 +129,7 @@ async def _stream(
             created=created,
             model=serving.model_name,
             choices=choices,
-            **extra,  # type: ignore[arg-type]
+            **extra,
         )
         return sse(response.model_dump_json(exclude_none=False))
 

@@ -88,8 +88,8 @@ class Preprocessor:
             return [(prompt, True) for prompt in request.prompts or []]
         try:
             text = self.tokenizer.apply_chat_template(
-                request.messages,
-                tools=request.tools,
+                request.messages or [],
+                tools=request.tools,  # type: ignore[arg-type]
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 tokenize=False,
@@ -116,7 +116,7 @@ class Preprocessor:
                 f"{self.vocab_size} tokens.",
                 param="prompt",
             )
-        text = self.tokenizer.decode(ids) if request.echo else None
+        text = str(self.tokenizer.decode(ids)) if request.echo else None
         return TokenizedPrompt(token_ids=list(ids), text=text)
 
     def _tokenize_into(

@@ -128,7 +128,7 @@ class Router:
         self.serving = OpenAIServing(
             self.config,
             preprocess=lambda request: preprocessor.preprocess.remote(request),
-            generate=lambda request: self._engine.generate.remote(request),
+            generate=lambda request: self._engine.generate.remote(request),  # type: ignore[arg-type,return-value]
         )
 
     async def _with_timeout(self, work: Any) -> Any:

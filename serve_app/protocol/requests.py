@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import Field, model_validator
 
@@ -123,8 +123,8 @@ class CompletionRequest(SamplingFields):
         if isinstance(prompt, str):
             return [prompt]
         if prompt and isinstance(prompt[0], int):
-            return [prompt]  # type: ignore[list-item]
-        return list(prompt)  # type: ignore[arg-type]
+            return [cast(list[int], prompt)]
+        return cast(list[str | list[int]], list(prompt))
 
     def to_sampling_spec(self, defaults: GenerationDefaults) -> SamplingSpec:
         return self._sampling_spec(defaults, max_tokens=self.max_tokens, logprobs=self.logprobs)

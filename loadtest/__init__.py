@@ -1,0 +1,1 @@
+"""Load tests and benchmarks for serve_app (run with `make bench`)."""

@@ -1,0 +1,68 @@
+"""CLI: ``python -m serve_app.models {list,prepare} ...``.
+
+``prepare`` is meant for image builds / CI warm-up so that serving replicas
+find the models already in the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from . import (
+    EMBEDDED_MODELS,
+    ModelSourceMissingError,
+    UnknownModelError,
+    cache_dir,
+    is_prepared,
+    model_path,
+    prepare,
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m serve_app.models",
+        description=f"Embedded models, cached under {cache_dir()} ($SERVE_APP_CACHE).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="list embedded model aliases")
+    prep = sub.add_parser("prepare", help="build embedded models into the cache")
+    prep.add_argument("aliases", nargs="*", metavar="ALIAS", help="default: all")
+    prep.add_argument("--force", action="store_true", help="rebuild even if prepared")
+    return parser
+
+
+def _list() -> int:
+    for alias, description in EMBEDDED_MODELS.items():
+        state = "prepared" if is_prepared(alias) else "not prepared"
+        print(f"{alias}\t{state}\t{model_path(alias)}\n    {description}")
+    return 0
+
+
+def _prepare(aliases: Sequence[str], force: bool) -> int:
+    for alias in aliases or list(EMBEDDED_MODELS):
+        started = time.monotonic()
+        path = prepare(alias, force=force)
+        print(f"{alias}\t{path}\t{time.monotonic() - started:.1f}s", flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "list":
+            return _list()
+        return _prepare(args.aliases, args.force)
+    except (UnknownModelError, ModelSourceMissingError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
