@@ -20,11 +20,7 @@ def engine_options(config: AppConfig) -> dict[str, Any]:
     if placement is not None:
         bundles, strategy = placement
         # The replica actor lives in bundle 0; it needs the CPU, not the GPU.
-        options["ray_actor_options"] = {
-            "num_cpus": 1,
-            "num_gpus": 0,
-            "runtime_env": options["ray_actor_options"]["runtime_env"],
-        }
+        options["ray_actor_options"] |= {"num_cpus": 1, "num_gpus": 0}
         options["placement_group_bundles"] = bundles
         options["placement_group_strategy"] = strategy
     return options

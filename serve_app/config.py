@@ -64,6 +64,10 @@ class ReplicaConfig(_Strict):
     num_cpus: float = Field(
         0.1, ge=0, description="CPUs reserved per replica; keep it fractional on small machines."
     )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources per replica, e.g. {gpu_node: 1} to pin to labelled nodes.",
+    )
 
     @model_validator(mode="after")
     def _check_bounds(self) -> ReplicaConfig:
@@ -78,6 +82,8 @@ class ReplicaConfig(_Strict):
             "max_ongoing_requests": self.max_ongoing_requests,
             "ray_actor_options": {"num_cpus": self.num_cpus},
         }
+        if self.resources:
+            options["ray_actor_options"]["resources"] = dict(self.resources)
         if self.num_replicas == "auto":
             options["autoscaling_config"] = {
                 "min_replicas": self.min_replicas,

@@ -58,7 +58,10 @@ def start(
     host = host or http.get("host", "127.0.0.1")
     port = port or int(http.get("port", 8000))
     if not ray.is_initialized():
-        ray.init(include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=False)
+        # address="local": always a new local cluster, never one some other process started.
+        ray.init(
+            address="local", include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=False
+        )
     serve.start(http_options={"host": host, "port": port})
     urls = []
     for app in serve_config["applications"]:
