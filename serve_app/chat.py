@@ -6,7 +6,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from serve_app.errors import APIError
+from serve_app.errors import backend_error
 from serve_app.messages import EngineStep, PreprocessRequest, TokenLogprob
 from serve_app.protocol import (
     ChatChoice,
@@ -20,18 +20,24 @@ from serve_app.protocol import (
     DeltaMessage,
     TopLogprobOut,
 )
-from serve_app.serving import SSE_DONE, OpenAIServing, Prepared, UsageCounter, sse
+from serve_app.serving import SSE_DONE, OpenAIServing, Prepared, RequestStats, sse
+from serve_app.tools import ToolStream, parse_auto, parse_forced
 
 
 def to_preprocess_request(
-    request: ChatCompletionRequest, serving: OpenAIServing, request_id: str
+    request: ChatCompletionRequest,
+    serving: OpenAIServing,
+    request_id: str,
+    trace_context: dict[str, str] | None = None,
 ) -> PreprocessRequest:
     return PreprocessRequest(
         request_id=request_id,
+        trace_context=trace_context or {},
+        sent_at_ns=time.time_ns(),
         kind="chat",
         sampling=request.to_sampling_spec(serving.config.model.generation_defaults),
         messages=[message.to_template_dict() for message in request.messages],
-        tools=request.tools,
+        tools=request.template_tools(),
         chat_template_kwargs=request.chat_template_kwargs or {},
         add_generation_prompt=request.add_generation_prompt,
         continue_final_message=request.continue_final_message,
@@ -40,19 +46,30 @@ def to_preprocess_request(
 
 
 async def chat_completion(
-    serving: OpenAIServing, request: ChatCompletionRequest
+    serving: OpenAIServing, request: ChatCompletionRequest, stats: RequestStats
 ) -> ChatCompletionResponse | AsyncIterator[str]:
     serving.check_model(request.model)
     request_id = serving.new_request_id("chatcmpl")
-    prepared = await serving.prepare(
-        "chatcmpl", to_preprocess_request(request, serving, request_id), request.priority
-    )
+    preprocess = to_preprocess_request(request, serving, request_id, stats.trace_context)
+    prepared = await serving.prepare(preprocess, request.priority, stats)
     steps = serving.steps(prepared)
     if not request.stream:
         return await _collect(serving, prepared, steps, request)
     # Wait for the first engine step before answering, so engine errors get a real status.
     first = await anext(steps)
     return _stream(serving, prepared, request, first, steps)
+
+
+def _tool_delta(
+    stream: ToolStream, text: str, finish_reason: str | None
+) -> tuple[DeltaMessage, str | None]:
+    content, calls = stream.feed(text)
+    if finish_reason is not None:
+        tail, more = stream.finish()
+        content, calls = (content or "") + (tail or "") or None, calls + more
+        if stream.calls:
+            finish_reason = "tool_calls"
+    return DeltaMessage(content=content, tool_calls=calls or None), finish_reason
 
 
 def _chat_logprobs(items: list[TokenLogprob] | None) -> ChatLogprobs | None:
@@ -74,6 +91,21 @@ def _chat_logprobs(items: list[TokenLogprob] | None) -> ChatLogprobs | None:
     )
 
 
+def _tools_active(request: ChatCompletionRequest) -> bool:
+    return bool(request.tools) and request.tool_choice != "none"
+
+
+def _message(text: str, request: ChatCompletionRequest) -> ChatResponseMessage:
+    if not _tools_active(request):
+        return ChatResponseMessage(content=text)
+    if request.forces_tool_call:
+        assert request.tool_choice is not None
+        calls = parse_forced(text, request.tool_choice)
+        return ChatResponseMessage(content=None if calls else text, tool_calls=calls or None)
+    content, calls = parse_auto(text)
+    return ChatResponseMessage(content=content, tool_calls=calls or None)
+
+
 async def _collect(
     serving: OpenAIServing,
     prepared: Prepared,
@@ -84,9 +116,8 @@ async def _collect(
     texts: list[list[str]] = [[] for _ in range(n)]
     logprobs: list[list[TokenLogprob] | None] = [None] * n
     finish: list[str | None] = [None] * n
-    usage = UsageCounter()
-    async for prompt_index, step in steps:
-        usage.add(prompt_index, step)
+    usage = prepared.stats.usage
+    async for _, step in steps:
         for chunk in step.chunks:
             texts[chunk.index].append(chunk.text)
             if chunk.logprobs is not None:
@@ -96,12 +127,15 @@ async def _collect(
     choices = [
         ChatChoice(
             index=i,
-            message=ChatResponseMessage(content="".join(texts[i])),
+            message=_message("".join(texts[i]), request),
             logprobs=_chat_logprobs(logprobs[i]),
             finish_reason=finish[i],
         )
         for i in range(n)
     ]
+    for choice in choices:
+        if choice.message.tool_calls:
+            choice.finish_reason = "tool_calls"
     return ChatCompletionResponse(
         id=prepared.request_id,
         created=prepared.created,
@@ -131,7 +165,12 @@ async def _stream(
             ).model_dump_json(exclude_unset=True)
         )
 
-    usage = UsageCounter()
+    usage = prepared.stats.usage
+    tool_streams = (
+        {i: ToolStream(request.tool_choice or "auto") for i in range(request.n)}
+        if _tools_active(request)
+        else None
+    )
     yield chunk(
         [
             ChatChunkChoice(
@@ -143,23 +182,30 @@ async def _stream(
     try:
         pending: tuple[int, EngineStep] | None = first
         while pending is not None:
-            prompt_index, step = pending
-            usage.add(prompt_index, step)
-            choices = [
-                ChatChunkChoice(
-                    index=c.index,
-                    delta=DeltaMessage(content=c.text),
-                    logprobs=_chat_logprobs(c.logprobs),
-                    finish_reason=c.finish_reason,
-                )
-                for c in step.chunks
-                if c.text or c.finish_reason or c.logprobs
-            ]
+            _, step = pending
+            choices = []
+            for c in step.chunks:
+                delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
+                if tool_streams is not None:
+                    delta, finish_reason = _tool_delta(tool_streams[c.index], c.text, finish_reason)
+                if delta.content or delta.tool_calls or finish_reason or c.logprobs:
+                    choices.append(
+                        ChatChunkChoice(
+                            index=c.index,
+                            delta=delta,
+                            logprobs=_chat_logprobs(c.logprobs),
+                            finish_reason=finish_reason,
+                        )
+                    )
             if choices:
                 yield chunk(choices)
             pending = await anext(steps, None)
-    except APIError as exc:
-        yield sse(json.dumps(exc.info.body()))
+    except Exception as exc:
+        # Headers are sent: the error travels as an SSE event, then [DONE].
+        info = backend_error(exc)
+        if info is None:
+            raise
+        yield sse(json.dumps(info.body()))
     if include_usage:
         final = ChatCompletionChunk(
             id=prepared.request_id,

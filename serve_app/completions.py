@@ -6,7 +6,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from serve_app.errors import APIError
+from serve_app.errors import backend_error
 from serve_app.messages import EngineStep, PreprocessRequest, TokenLogprob
 from serve_app.protocol import (
     CompletionChoice,
@@ -14,14 +14,19 @@ from serve_app.protocol import (
     CompletionRequest,
     CompletionResponse,
 )
-from serve_app.serving import SSE_DONE, OpenAIServing, Prepared, UsageCounter, sse
+from serve_app.serving import SSE_DONE, OpenAIServing, Prepared, RequestStats, sse
 
 
 def to_preprocess_request(
-    request: CompletionRequest, serving: OpenAIServing, request_id: str
+    request: CompletionRequest,
+    serving: OpenAIServing,
+    request_id: str,
+    trace_context: dict[str, str] | None = None,
 ) -> PreprocessRequest:
     return PreprocessRequest(
         request_id=request_id,
+        trace_context=trace_context or {},
+        sent_at_ns=time.time_ns(),
         kind="completion",
         sampling=request.to_sampling_spec(serving.config.model.generation_defaults),
         prompts=request.prompt_list(),
@@ -30,13 +35,12 @@ def to_preprocess_request(
 
 
 async def completion(
-    serving: OpenAIServing, request: CompletionRequest
+    serving: OpenAIServing, request: CompletionRequest, stats: RequestStats
 ) -> CompletionResponse | AsyncIterator[str]:
     serving.check_model(request.model)
     request_id = serving.new_request_id("cmpl")
-    prepared = await serving.prepare(
-        "cmpl", to_preprocess_request(request, serving, request_id), request.priority
-    )
+    preprocess = to_preprocess_request(request, serving, request_id, stats.trace_context)
+    prepared = await serving.prepare(preprocess, request.priority, stats)
     steps = serving.steps(prepared)
     if not request.stream:
         return await _collect(serving, prepared, steps, request)
@@ -80,9 +84,8 @@ async def _collect(
             texts[prompt_index * n + i].append(echo)
             if request.logprobs is not None:
                 builders[prompt_index * n + i] = _LogprobBuilder(len(echo))
-    usage = UsageCounter()
+    usage = prepared.stats.usage
     async for prompt_index, step in steps:
-        usage.add(prompt_index, step)
         for chunk in step.chunks:
             index = prompt_index * n + chunk.index
             texts[index].append(chunk.text)
@@ -121,7 +124,7 @@ async def _stream(
     created = int(time.time())
     echoed: set[int] = set()
     builders: dict[int, _LogprobBuilder] = {}
-    usage = UsageCounter()
+    usage = prepared.stats.usage
 
     def body(choices: list[CompletionChoice], **extra: object) -> str:
         response = CompletionResponse(
@@ -137,7 +140,6 @@ async def _stream(
         pending: tuple[int, EngineStep] | None = first
         while pending is not None:
             prompt_index, step = pending
-            usage.add(prompt_index, step)
             choices = []
             for chunk in step.chunks:
                 index = prompt_index * n + chunk.index
@@ -161,8 +163,12 @@ async def _stream(
             if choices:
                 yield body(choices)
             pending = await anext(steps, None)
-    except APIError as exc:
-        yield sse(json.dumps(exc.info.body()))
+    except Exception as exc:
+        # Headers are sent: the error travels as an SSE event, then [DONE].
+        info = backend_error(exc)
+        if info is None:
+            raise
+        yield sse(json.dumps(info.body()))
     if include_usage:
         yield body([], usage=usage.usage())
     yield SSE_DONE

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serve_app.protocol.common import GenerationDefaults
+from serve_app.security import SecurityConfig
 
 
 class _Strict(BaseModel):
@@ -66,7 +67,7 @@ class ReplicaConfig(_Strict):
     )
     resources: dict[str, float] = Field(
         default_factory=dict,
-        description="Custom Ray resources per replica, e.g. {gpu_node: 1} to pin to labelled nodes.",
+        description="Custom Ray resources per replica, e.g. {gpu_node: 1}, to pin to nodes.",
     )
 
     @model_validator(mode="after")
@@ -132,6 +133,16 @@ class EngineConfig(ReplicaConfig):
         "auto", description="CPU only: VLLM_CPU_OMP_THREADS_BIND ('auto', 'nobind', or '0-1')."
     )
     enforce_eager: bool = Field(False, description="Skip graph capture/compile (faster start).")
+    compact_json: bool = Field(
+        True,
+        description="JSON-constrained output without optional whitespace (stops small models "
+        "from looping on newlines); false allows any whitespace, as vLLM does by default.",
+    )
+    structured_output_backend: Literal["xgrammar", "guidance", "auto"] = Field(
+        "xgrammar",
+        description="vLLM structured-output backend; the preprocessor pre-checks with xgrammar. "
+        "'auto' falls back per request but cannot be combined with compact_json.",
+    )
     seed: int = Field(0, description="Engine seed.")
     env: dict[str, str] = Field(
         default_factory=dict, description="Extra environment variables for engine replicas."
@@ -154,6 +165,15 @@ class EngineConfig(ReplicaConfig):
             raise ValueError(
                 f"block_size {self.block_size}: vLLM's CPU attention needs a multiple of 32; "
                 "use 32 or leave it unset"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_compact_json_backend(self) -> EngineConfig:
+        if self.compact_json and self.structured_output_backend == "auto":
+            raise ValueError(
+                "compact_json needs structured_output_backend xgrammar or guidance; "
+                "pick one or set compact_json: false"
             )
         return self
 
@@ -191,6 +211,14 @@ class EngineConfig(ReplicaConfig):
         return env | self.env
 
 
+class TracingConfig(_Strict):
+    exporter: Literal["otlp", "console", "memory", "none"] | None = Field(
+        None,
+        description="Span exporter; default: $OTEL_TRACES_EXPORTER or none. Endpoint, protocol "
+        "and service name come from the standard OTEL_* variables, forwarded to every replica.",
+    )
+
+
 class AppConfig(_Strict):
     """Everything `build_app` needs; the `args` block of serve_config*.yaml."""
 
@@ -198,6 +226,13 @@ class AppConfig(_Strict):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     preprocessor: PreprocessorConfig = Field(default_factory=PreprocessorConfig)
     router: ReplicaConfig = Field(default_factory=ReplicaConfig)
+    tracing: TracingConfig = Field(
+        default_factory=TracingConfig, description="OpenTelemetry traces across all hops."
+    )
     request_timeout_s: float = Field(
         600, gt=0, description="A request running longer gets 504 and its engine work aborted."
+    )
+    security: SecurityConfig = Field(
+        default_factory=SecurityConfig,
+        description="API keys, per-key rate limits, body/header size and request shape limits.",
     )

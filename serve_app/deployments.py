@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
 
+from serve_app import tracing
 from serve_app.config import AppConfig
 from serve_app.errors import APIError, ErrorInfo
 from serve_app.messages import EngineRequest, EngineStep, PreprocessRequest, PreprocessResult
+from serve_app.metrics import BatchMetrics
 
 logger = logging.getLogger("serve_app")
 
@@ -25,6 +28,8 @@ class PreprocessorDeployment:
         from serve_app.preprocess import Preprocessor
 
         self.config = AppConfig.model_validate(config)
+        tracing.configure(self.config.tracing.exporter)
+        self.metrics = BatchMetrics()
         self.preprocessor = Preprocessor(self.config, resolve_model(self.config.model.name))
         settings = self.config.preprocessor
         self.preprocess.set_max_batch_size(settings.max_batch_size)  # type: ignore[attr-defined]
@@ -34,11 +39,34 @@ class PreprocessorDeployment:
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01)
     async def preprocess(self, requests: list[PreprocessRequest]) -> list[PreprocessResult]:
+        started_ns = time.time_ns()
+        self.metrics.record(len(requests), [(started_ns - r.sent_at_ns) / 1e9 for r in requests])
         # Tokenizing a batch takes milliseconds of CPU: keep the replica's event loop free.
-        return await asyncio.to_thread(self.preprocessor.preprocess_batch, requests)
+        results = await asyncio.to_thread(self.preprocessor.preprocess_batch, requests)
+        if tracing.enabled():
+            _preprocess_spans(requests, results, started_ns)
+        return results
 
     def max_model_len(self) -> int:
         return self.preprocessor.max_model_len
+
+    def finished_spans(self) -> list[dict[str, Any]]:
+        return tracing.finished_spans()
+
+    def tokenize(
+        self, request: PreprocessRequest, add_special_tokens: bool | None
+    ) -> tuple[list[int], list[str]] | ErrorInfo:
+        try:
+            ids = self.preprocessor.tokenize(request, add_special_tokens)
+            return ids, self.preprocessor.detokenize(ids)[1]
+        except APIError as exc:
+            return exc.info
+
+    def detokenize(self, token_ids: list[int]) -> str | ErrorInfo:
+        try:
+            return self.preprocessor.detokenize(token_ids)[0]
+        except APIError as exc:
+            return exc.info
 
 
 @serve.deployment(name="Engine", health_check_period_s=10, health_check_timeout_s=30)
@@ -50,15 +78,26 @@ class EngineDeployment:
         from serve_app.models import resolve_model
 
         self.config = AppConfig.model_validate(config)
+        tracing.configure(self.config.tracing.exporter)
         self.engine = VLLMEngine(self.config, resolve_model(self.config.model.name))
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep | ErrorInfo]:
         # Errors travel as values: exceptions crossing Ray lose their OpenAI fields.
+        started_ns, first_ns, last = time.time_ns(), 0, None
         try:
             async for step in self.engine.generate(request):
+                if not first_ns and any(c.token_ids for c in step.chunks):
+                    first_ns = time.time_ns()
+                last = step
                 yield step
         except APIError as exc:
             yield exc.info
+        finally:
+            if tracing.enabled() and request.trace_context:
+                _engine_spans(request, started_ns, first_ns, last)
+
+    def finished_spans(self) -> list[dict[str, Any]]:
+        return tracing.finished_spans()
 
     def engine_args(self) -> dict[str, Any]:
         return self.engine.resolved_args
@@ -70,3 +109,63 @@ class EngineDeployment:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+
+
+def _preprocess_spans(
+    requests: list[PreprocessRequest], results: list[PreprocessResult], started_ns: int
+) -> None:
+    """One span per request, from the router's send through the batch window to tokens."""
+    end_ns = time.time_ns()
+    for request, result in zip(requests, results, strict=True):
+        span = tracing.tracer().start_span(
+            "preprocess",
+            context=tracing.context_of(request.trace_context),
+            start_time=request.sent_at_ns or started_ns,
+        )
+        span.set_attributes(
+            {
+                "serve_app.batch.size": len(requests),
+                "serve_app.batch.wait_ms": round((started_ns - request.sent_at_ns) / 1e6, 3),
+                "gen_ai.usage.input_tokens": sum(len(p.token_ids) for p in result.prompts),
+                "serve_app.error": result.error.message if result.error else "",
+            }
+        )
+        span.end(end_time=end_ns)
+
+
+def _engine_spans(
+    request: EngineRequest, started_ns: int, first_ns: int, last: EngineStep | None
+) -> None:
+    """engine.generate with queue / prefill / decode children from vLLM's own timestamps."""
+    end_ns = time.time_ns()
+    parent = tracing.tracer().start_span(
+        "engine.generate",
+        context=tracing.context_of(request.trace_context),
+        start_time=started_ns,
+    )
+    parent.set_attributes(
+        {
+            "gen_ai.request.max_tokens": request.sampling.max_tokens or 0,
+            "gen_ai.request.temperature": request.sampling.temperature,
+            "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
+            "serve_app.engine.request_id": request.request_id,
+            "serve_app.ttft_ms": round((first_ns - started_ns) / 1e6, 3) if first_ns else -1,
+        }
+    )
+    context = tracing.trace.set_span_in_context(parent)
+    timings = last.timings if last is not None else None
+    if timings is not None:
+        queued, scheduled, first, final = (tracing.monotonic_to_ns(t) for t in timings)
+        phases = [
+            ("engine.queue", queued, scheduled),
+            ("engine.prefill", scheduled, first),
+            ("engine.decode", first, final),
+        ]
+    else:
+        phases = [
+            ("engine.first_token", started_ns, first_ns or end_ns),
+            ("engine.decode", first_ns or end_ns, end_ns),
+        ]
+    for name, start, end in phases:
+        tracing.tracer().start_span(name, context=context, start_time=start).end(end_time=end)
+    parent.end(end_time=end_ns)

@@ -53,6 +53,12 @@ def engine_args(config: AppConfig, model_path: str) -> dict[str, Any]:
         "scheduling_policy": "priority",
         # The preprocessor's defaults are the only defaults (documented precedence).
         "generation_config": "vllm",
+        # Small models can loop on whitespace inside JSON until max_tokens; compact JSON
+        # leaves them no whitespace to loop on.
+        "structured_outputs_config": {
+            "backend": engine.structured_output_backend,
+            "disable_any_whitespace": engine.compact_json,
+        },
     }
     if engine.resolved_device() == "gpu":
         args["gpu_memory_utilization"] = engine.gpu_memory_utilization
@@ -68,6 +74,11 @@ def to_sampling_params(request: EngineRequest) -> SamplingParams:
     from vllm.sampling_params import RequestOutputKind
 
     spec = request.sampling
+    structured = None
+    if spec.structured is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        structured = StructuredOutputsParams(**{spec.structured.kind: spec.structured.value})
     return SamplingParams(
         n=spec.n,
         max_tokens=spec.max_tokens,
@@ -87,6 +98,7 @@ def to_sampling_params(request: EngineRequest) -> SamplingParams:
         min_tokens=spec.min_tokens,
         ignore_eos=spec.ignore_eos,
         skip_special_tokens=spec.skip_special_tokens,
+        structured_outputs=structured,
         output_kind=RequestOutputKind.DELTA,
     )
 
@@ -103,6 +115,24 @@ def _convert_logprobs(token_ids: Any, logprobs: Any, top_n: int) -> list[TokenLo
     return out
 
 
+def _ray_stat_loggers() -> list[Any] | None:
+    """vLLM's metrics through Ray's metrics API, when running inside a Ray worker."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+    return [RayPrometheusStatLogger]
+
+
+def _timings(output: Any) -> tuple[float, float, float, float] | None:
+    stats = getattr(output, "metrics", None)
+    if stats is None or not getattr(stats, "queued_ts", 0):
+        return None
+    return (stats.queued_ts, stats.scheduled_ts, stats.first_token_ts, stats.last_token_ts)
+
+
 class VLLMEngine:
     """One vLLM ``AsyncLLM`` in this process (its engine core runs in a child process)."""
 
@@ -113,7 +143,14 @@ class VLLMEngine:
         args = engine_args(config, model_path)
         logger.info("Starting vLLM AsyncLLM with %s", args)
         self.resolved_args = args
-        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        from vllm.config import StructuredOutputsConfig
+
+        kwargs = dict(args)
+        structured = StructuredOutputsConfig(**kwargs.pop("structured_outputs_config"))
+        self._llm = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(**kwargs, structured_outputs_config=structured),
+            stat_loggers=_ray_stat_loggers(),
+        )
         self.max_model_len: int = self._llm.model_config.max_model_len
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
@@ -148,6 +185,7 @@ class VLLMEngine:
                     prompt_tokens=len(request.prompt_token_ids),
                     cached_tokens=output.num_cached_tokens,
                     finished=output.finished,
+                    timings=_timings(output) if output.finished else None,
                 )
         except EngineDeadError as exc:
             raise APIError(

@@ -74,3 +74,23 @@ def context_length_exceeded(
 
 def server_error(message: str, *, status: int = 500) -> APIError:
     return APIError(message, status=status, type="server_error", code="internal_error")
+
+
+BACKEND_UNAVAILABLE = ErrorInfo(
+    "The model backend is unavailable; retry shortly.",
+    status=503,
+    type="server_error",
+    code="backend_unavailable",
+)
+
+
+def backend_error(exc: BaseException) -> ErrorInfo | None:
+    """503 for failures of the graph itself (a replica died, is restarting or is full)."""
+    from ray.exceptions import RayError
+    from ray.serve.exceptions import RayServeException
+
+    if isinstance(exc, APIError):
+        return exc.info
+    if isinstance(exc, RayError | RayServeException):
+        return BACKEND_UNAVAILABLE
+    return None

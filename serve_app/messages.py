@@ -13,6 +13,15 @@ from serve_app.errors import ErrorInfo
 
 
 @dataclass(frozen=True)
+class StructuredSpec:
+    """One structured-output constraint; ``param`` names the request field it came from."""
+
+    kind: Literal["json", "json_object", "regex", "choice", "grammar"]
+    value: Any
+    param: str
+
+
+@dataclass(frozen=True)
 class SamplingSpec:
     """Engine-neutral sampling parameters; the engine turns them into vLLM ``SamplingParams``.
 
@@ -37,6 +46,7 @@ class SamplingSpec:
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    structured: StructuredSpec | None = None
 
     def with_max_tokens(self, max_tokens: int) -> SamplingSpec:
         return replace(self, max_tokens=max_tokens)
@@ -58,6 +68,10 @@ class PreprocessRequest:
     echo: bool = False
     # Requested max_tokens as the client named it, for error messages.
     max_tokens_param: str = "max_tokens"
+    # W3C trace context of the router's span (empty when tracing is off).
+    trace_context: dict[str, str] = field(default_factory=dict)
+    # time.time_ns() when the router sent it: the @serve.batch wait starts here.
+    sent_at_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -83,6 +97,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     sampling: SamplingSpec
     priority: int = 0
+    trace_context: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -118,3 +133,5 @@ class EngineStep:
     prompt_tokens: int
     cached_tokens: int | None = None
     finished: bool = False
+    # On the last step: vLLM's (queued, scheduled, first token, last token) monotonic stamps.
+    timings: tuple[float, float, float, float] | None = None

@@ -12,6 +12,7 @@ from typing import Any
 from serve_app.config import AppConfig
 from serve_app.errors import APIError, ErrorInfo, context_length_exceeded
 from serve_app.messages import PreprocessRequest, PreprocessResult, TokenizedPrompt
+from serve_app.structured import check_structured, check_tools
 
 logger = logging.getLogger("serve_app.preprocess")
 
@@ -83,7 +84,26 @@ class Preprocessor:
             for request, slots, error in zip(requests, prompts, errors, strict=True)
         ]
 
+    def tokenize(self, request: PreprocessRequest, add_special_tokens: bool | None) -> list[int]:
+        """Token ids exactly as a generation request would get them, without length checks."""
+        [(text_or_ids, special)] = self._render(request)
+        if not isinstance(text_or_ids, str):
+            return list(self._token_prompt(request, text_or_ids).token_ids)
+        self._check_chars(request, text_or_ids)
+        special = special if add_special_tokens is None else add_special_tokens
+        return list(self.tokenizer(text_or_ids, add_special_tokens=special)["input_ids"])
+
+    def detokenize(self, token_ids: list[int]) -> tuple[str, list[str]]:
+        self._check_token_ids(token_ids, "tokens")
+        return (
+            str(self.tokenizer.decode(token_ids)),
+            list(self.tokenizer.convert_ids_to_tokens(token_ids)),
+        )
+
     def _render(self, request: PreprocessRequest) -> list[tuple[str | list[int], bool]]:
+        if request.sampling.structured is not None:
+            check_structured(request.sampling.structured)
+        check_tools(request.tools)
         if request.kind == "completion":
             return [(prompt, True) for prompt in request.prompts or []]
         try:
@@ -108,14 +128,17 @@ class Preprocessor:
                 param=_prompt_param(request),
             )
 
-    def _token_prompt(self, request: PreprocessRequest, ids: list[int]) -> TokenizedPrompt:
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
         bad = next((t for t in ids if t >= self.vocab_size), None)
         if bad is not None:
             raise APIError(
                 f"Token id {bad} is out of range; this model's vocabulary has "
                 f"{self.vocab_size} tokens.",
-                param="prompt",
+                param=param,
             )
+
+    def _token_prompt(self, request: PreprocessRequest, ids: list[int]) -> TokenizedPrompt:
+        self._check_token_ids(ids, "prompt")
         text = str(self.tokenizer.decode(ids)) if request.echo else None
         return TokenizedPrompt(token_ids=list(ids), text=text)
 

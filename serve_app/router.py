@@ -5,19 +5,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry.trace import Span, SpanKind
 from pydantic import BaseModel
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from serve_app import chat, completions
+from serve_app import chat, completions, tracing
 from serve_app.config import AppConfig
-from serve_app.errors import APIError, ErrorInfo
+from serve_app.errors import APIError, ErrorInfo, backend_error
+from serve_app.messages import PreprocessRequest, SamplingSpec
+from serve_app.metrics import RouterMetrics
+from serve_app.middleware import SecurityMiddleware, configure
 from serve_app.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -26,16 +30,25 @@ from serve_app.protocol import (
     ErrorResponse,
     ModelList,
 )
-from serve_app.serving import OpenAIServing
+from serve_app.protocol.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from serve_app.security import check_limits
+from serve_app.serving import OpenAIServing, RequestStats
 
 logger = logging.getLogger("serve_app.router")
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500, 503, 504)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 431, 500, 503, 504)
 }
 app = FastAPI(
     title="serve_app", summary="OpenAI-compatible API on Ray Serve + vLLM", version="0.1.0"
 )
+# Before @serve.ingress freezes a copy of the app; settings arrive later via `configure`.
+app.add_middleware(SecurityMiddleware)
 
 
 def error_response(info: ErrorInfo) -> JSONResponse:
@@ -51,7 +64,7 @@ def _param_of(error: dict[str, Any]) -> str | None:
     for part in error.get("loc", ())[1:]:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", part) and part not in _TYPE_TAGS:
+        elif re.fullmatch(r"[a-z_][A-Za-z0-9_]*", part) and part not in _TYPE_TAGS:
             path += f".{part}" if path else part
     if path:
         return path
@@ -59,7 +72,8 @@ def _param_of(error: dict[str, Any]) -> str | None:
     return match.group(1) if match else None
 
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function"}
+# Union members pydantic puts in `loc`; model class names are skipped by their capital letter.
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 @app.exception_handler(RequestValidationError)
@@ -86,18 +100,12 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
 
 @app.exception_handler(Exception)
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-    from ray.exceptions import RayError
-
-    if isinstance(exc, RayError):  # A replica died or is restarting: retryable.
-        logger.warning("Backend unavailable: %s", exc)
-        return error_response(
-            ErrorInfo(
-                "The model backend is unavailable; retry shortly.",
-                status=503,
-                type="server_error",
-                code="backend_unavailable",
-            )
-        )
+    info = backend_error(exc)
+    if info is not None:  # A replica died, is restarting or is full: retryable.
+        logger.warning("Backend unavailable: %r", exc)
+        response = error_response(info)
+        response.headers["retry-after"] = "1"
+        return response
     logger.exception("Unexpected error")
     return error_response(
         ErrorInfo(
@@ -109,12 +117,6 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     )
 
 
-def _respond(result: BaseModel | AsyncIterator[str]) -> Any:
-    if isinstance(result, BaseModel):
-        return JSONResponse(result.model_dump(mode="json"))
-    return StreamingResponse(result, media_type="text/event-stream")
-
-
 @serve.deployment(name="Router")
 @serve.ingress(app)
 class Router:
@@ -122,9 +124,12 @@ class Router:
         self, preprocessor: DeploymentHandle, engine: DeploymentHandle, config: dict[str, Any]
     ) -> None:
         self.config = AppConfig.model_validate(config)
+        configure(self.config.security, app_name=serve.get_replica_context().app_name)
         self._preprocessor = preprocessor
         self._engine = engine.options(stream=True)
         self._max_model_len: int | None = None
+        tracing.configure(self.config.tracing.exporter)
+        self.metrics = RouterMetrics()
         self.serving = OpenAIServing(
             self.config,
             preprocess=lambda request: preprocessor.preprocess.remote(request),
@@ -149,14 +154,109 @@ class Router:
 
     @app.get("/v1/models", response_model=ModelList)
     async def models(self) -> ModelList:
+        return self.serving.models(await self._model_len())
+
+    def finished_spans(self) -> list[dict[str, Any]]:
+        """Spans kept by the in-memory exporter (tests); not an HTTP route."""
+        return tracing.finished_spans()
+
+    async def _model_len(self) -> int:
         if self._max_model_len is None:
             self._max_model_len = await self._preprocessor.max_model_len.remote()
-        return self.serving.models(self._max_model_len)
+        return self._max_model_len
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
-    async def chat_completions(self, body: ChatCompletionRequest) -> Any:
-        return _respond(await self._with_timeout(chat.chat_completion(self.serving, body)))
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
+        check_limits(body, self.config.security.limits)
+        return await self._run(
+            "/v1/chat/completions",
+            request,
+            lambda stats: chat.chat_completion(self.serving, body, stats),
+        )
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
-    async def completions(self, body: CompletionRequest) -> Any:
-        return _respond(await self._with_timeout(completions.completion(self.serving, body)))
+    async def completions(self, body: CompletionRequest, request: Request) -> Any:
+        check_limits(body, self.config.security.limits)
+        return await self._run(
+            "/v1/completions",
+            request,
+            lambda stats: completions.completion(self.serving, body, stats),
+        )
+
+    async def _run(
+        self,
+        route: str,
+        request: Request,
+        work: Callable[[RequestStats], Awaitable[BaseModel | AsyncIterator[str]]],
+    ) -> Response:
+        """Trace, time and count one generation request; dispatch on the result type."""
+        stats = RequestStats(route=route, model=self.serving.model_name)
+        span = tracing.tracer().start_span(
+            f"POST {route}", context=tracing.extract(request.headers), kind=SpanKind.SERVER
+        )
+        stats.trace_context = tracing.inject(span)
+        try:
+            result = await self._with_timeout(work(stats))
+        except APIError as exc:
+            self._finish(span, stats, exc.info.status)
+            raise
+        except BaseException:
+            self._finish(span, stats, 500)
+            raise
+        # Serve already answers with its own x-request-id; the trace id travels in traceparent.
+        headers = {}
+        if traceparent := tracing.traceparent(span):
+            headers["traceparent"] = traceparent
+        if isinstance(result, BaseModel):
+            self._finish(span, stats, 200)
+            return JSONResponse(result.model_dump(mode="json"), headers=headers)
+        return StreamingResponse(
+            self._observed(result, span, stats), media_type="text/event-stream", headers=headers
+        )
+
+    async def _observed(
+        self, stream: AsyncIterator[str], span: Span, stats: RequestStats
+    ) -> AsyncIterator[str]:
+        status = 499  # Until the stream completes: the client went away.
+        try:
+            async for event in stream:
+                yield event
+            status = 200
+        finally:
+            self._finish(span, stats, status)
+
+    def _finish(self, span: Span, stats: RequestStats, status: int) -> None:
+        self.metrics.record(stats, status)
+        span.set_attributes(tracing.request_attributes(stats, status))
+        span.end()
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        self.serving.check_model(body.model)
+        request = PreprocessRequest(
+            request_id="tokenize",
+            kind="completion" if body.prompt is not None else "chat",
+            sampling=SamplingSpec(),
+            prompts=[body.prompt] if body.prompt is not None else None,
+            messages=[m.to_template_dict() for m in body.messages or []],
+            tools=body.tools,
+            add_generation_prompt=body.add_generation_prompt,
+        )
+        result = await self._preprocessor.tokenize.remote(request, body.add_special_tokens)
+        if isinstance(result, ErrorInfo):
+            raise APIError.from_info(result)
+        ids, strs = result
+        return TokenizeResponse(
+            count=len(ids),
+            max_model_len=await self._model_len(),
+            tokens=ids,
+            token_strs=strs if body.return_token_strs else None,
+        )
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self.serving.check_model(body.model)
+        result = await self._preprocessor.detokenize.remote(body.tokens)
+        if isinstance(result, ErrorInfo):
+            raise APIError.from_info(result)
+        return DetokenizeResponse(prompt=result)

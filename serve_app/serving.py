@@ -53,6 +53,29 @@ class UsageCounter:
 
 
 @dataclass
+class RequestStats:
+    """What one HTTP request did, filled in as it goes, plus the trace context it carries."""
+
+    route: str
+    model: str
+    request_id: str = ""
+    trace_context: dict[str, str] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    usage: UsageCounter = field(default_factory=UsageCounter)
+    finish_reasons: set[str] = field(default_factory=set)
+
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.started
+
+    def observe(self, prompt_index: int, step: EngineStep) -> None:
+        if self.first_token_at is None and any(c.token_ids for c in step.chunks):
+            self.first_token_at = time.perf_counter()
+        self.usage.add(prompt_index, step)
+        self.finish_reasons.update(c.finish_reason for c in step.chunks if c.finish_reason)
+
+
+@dataclass
 class Prepared:
     """A validated, tokenized request ready for the engine."""
 
@@ -61,6 +84,7 @@ class Prepared:
     prompts: list[TokenizedPrompt]
     result: PreprocessResult
     priority: int
+    stats: RequestStats
 
 
 class OpenAIServing:
@@ -84,11 +108,16 @@ class OpenAIServing:
         if model != self.model_name:
             raise model_not_found(model, [self.model_name])
 
-    async def prepare(self, prefix: str, request: PreprocessRequest, priority: int) -> Prepared:
+    async def prepare(
+        self, request: PreprocessRequest, priority: int, stats: RequestStats
+    ) -> Prepared:
+        stats.request_id = request.request_id
         result = await self._preprocess(request)
         if result.error is not None:
             raise APIError.from_info(result.error)
-        return Prepared(request.request_id, int(time.time()), result.prompts, result, priority)
+        return Prepared(
+            request.request_id, int(time.time()), result.prompts, result, priority, stats
+        )
 
     @staticmethod
     def new_request_id(prefix: str) -> str:
@@ -104,15 +133,20 @@ class OpenAIServing:
                 prompt_token_ids=prompt.token_ids,
                 sampling=sampling,
                 priority=prepared.priority,
+                trace_context=prepared.stats.trace_context,
             )
             for i, prompt in enumerate(prepared.prompts)
         ]
+        stats = prepared.stats
         if len(requests) == 1:  # The common case: no merging tasks, no queue.
             async for item in self._generate(requests[0]):
-                yield 0, _unwrap(item)
+                step = _unwrap(item)
+                stats.observe(0, step)
+                yield 0, step
             return
-        async for pair in self._merged(requests):
-            yield pair
+        async for index, step in self._merged(requests):
+            stats.observe(index, step)
+            yield index, step
 
     async def _merged(self, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, EngineStep]]:
         queue: asyncio.Queue[tuple[int, EngineStep | ErrorInfo | BaseException | None]] = (

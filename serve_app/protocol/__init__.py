@@ -25,6 +25,8 @@ from serve_app.protocol.responses import (
     CompletionLogprobs,
     CompletionResponse,
     DeltaMessage,
+    FunctionCallOut,
+    ToolCallOut,
     TopLogprobOut,
 )
 
@@ -45,11 +47,13 @@ __all__ = [
     "DeltaMessage",
     "ErrorDetail",
     "ErrorResponse",
+    "FunctionCallOut",
     "GenerationDefaults",
     "ModelCard",
     "ModelList",
     "PromptTokensDetails",
     "StreamOptions",
+    "ToolCallOut",
     "TopLogprobOut",
     "UsageInfo",
 ]

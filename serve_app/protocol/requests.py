@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from typing import Annotated, Any, Literal, cast
 
 from pydantic import Field, model_validator
 
+from serve_app.errors import APIError
 from serve_app.messages import SamplingSpec
 from serve_app.protocol.common import GenerationDefaults, OpenAIModel, SamplingFields
+from serve_app.protocol.structured import StructuredFields, ToolChoice, ToolDef, tool_spec
 
 
 class TextPart(OpenAIModel):
@@ -46,17 +50,31 @@ class ChatMessage(OpenAIModel):
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        out: dict[str, Any] = {"role": self.role, "content": content}
+        # Templates concatenate content: an assistant turn holding only tool calls gets "".
+        out: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             out["name"] = self.name
         if self.tool_calls:
-            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+            out["tool_calls"] = [_template_tool_call(call) for call in self.tool_calls]
         if self.tool_call_id:
             out["tool_call_id"] = self.tool_call_id
         return out
 
 
-class ChatCompletionRequest(SamplingFields):
+def _template_tool_call(call: ToolCall) -> dict[str, Any]:
+    # Chat templates render arguments with `tojson`: give them the object, not a JSON string.
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.function.name, "arguments": arguments},
+    }
+
+
+class ChatCompletionRequest(SamplingFields, StructuredFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=4096)]
     model: str
     logprobs: bool = False
@@ -65,8 +83,8 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(
         None, ge=1, description="Deprecated alias of max_completion_tokens."
     )
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # vLLM extras for the chat template.
     chat_template_kwargs: dict[str, Any] | None = None
@@ -79,7 +97,19 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs: requires logprobs to be true")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: needs add_generation_prompt set to false")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice: needs tools to choose from")
         return self
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """Tools as the chat template sees them; hidden when tool_choice is none."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    @property
+    def forces_tool_call(self) -> bool:
+        return self.tool_choice is not None and self.tool_choice not in ("none", "auto")
 
     @property
     def max_tokens_param(self) -> str:
@@ -88,7 +118,16 @@ class ChatCompletionRequest(SamplingFields):
     def to_sampling_spec(self, defaults: GenerationDefaults) -> SamplingSpec:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens or self.max_tokens
-        return self._sampling_spec(defaults, max_tokens=max_tokens, logprobs=logprobs)
+        spec = self._sampling_spec(defaults, max_tokens=max_tokens, logprobs=logprobs)
+        structured = self.structured_spec()
+        forced = tool_spec(self.tools or [], self.tool_choice)
+        if forced is not None and structured is not None:
+            raise APIError(
+                "A forced tool_choice already constrains the output; drop "
+                f"{structured.param} or set tool_choice to auto",
+                param=structured.param,
+            )
+        return replace(spec, structured=forced or structured)
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
@@ -100,7 +139,7 @@ Prompt = (
 )
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, StructuredFields):
     model: str
     prompt: Prompt
     best_of: int | None = Field(None, ge=1)
@@ -127,4 +166,5 @@ class CompletionRequest(SamplingFields):
         return cast(list[str | list[int]], list(prompt))
 
     def to_sampling_spec(self, defaults: GenerationDefaults) -> SamplingSpec:
-        return self._sampling_spec(defaults, max_tokens=self.max_tokens, logprobs=self.logprobs)
+        spec = self._sampling_spec(defaults, max_tokens=self.max_tokens, logprobs=self.logprobs)
+        return replace(spec, structured=self.structured_spec())

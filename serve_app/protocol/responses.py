@@ -23,7 +23,7 @@ class ToolCallOut(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    tool_calls: list[ToolCallOut] = []
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class TopLogprobOut(BaseModel):

@@ -34,8 +34,10 @@ def base_url() -> Iterator[str]:
     from ray import serve
 
     config = load_serve_config(ROOT / "serve_config.cpu.yaml")
-    # A smaller KV cache than `make serve` keeps room for a second engine (tiny-qwen2).
-    urls = start(config, port=_free_port(), overrides={"engine": {"kv_cache_space_gib": 1}})
+    # A smaller KV cache than `make serve` keeps room for a second engine (tiny-qwen2); every
+    # test runs with tracing on (in-memory spans), so tracing is exercised on every path.
+    overrides = {"engine": {"kv_cache_space_gib": 1}, "tracing": {"exporter": "memory"}}
+    urls = start(config, port=_free_port(), overrides=overrides)
     wait_ready(urls[0], timeout_s=600)
     yield urls[0]
     serve.shutdown()

@@ -83,3 +83,14 @@ def test_max_model_len_beyond_the_model_names_the_fix() -> None:
     )
     assert derive_max_model_len(scaled, _HFConfig()) == 131072
     assert derive_max_model_len(AppConfig(), _HFConfig()) == 32768
+
+
+def test_build_app_names_the_fix_for_a_too_long_context() -> None:
+    from serve_app.builder import check_model
+
+    with pytest.raises(ValueError, match=r"exceeds the model.s 4096; lower it or set"):
+        check_model(
+            AppConfig.model_validate({"model": {"name": "tiny-qwen2", "max_model_len": 8192}})
+        )
+    with pytest.raises(ValueError, match=r"model.name: .*smollm2-135m-instruct"):
+        check_model(AppConfig.model_validate({"model": {"name": "no-such-alias"}}))

@@ -22,7 +22,7 @@ from serve_app.messages import (
     TokenizedPrompt,
 )
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
-from serve_app.serving import OpenAIServing
+from serve_app.serving import OpenAIServing, RequestStats
 
 WORDS = ["Hello", " there", "!"]
 
@@ -62,7 +62,7 @@ def chat_request(**extra: object) -> ChatCompletionRequest:
 
 
 async def test_chat_full_response_with_n_and_usage() -> None:
-    response = await chat.chat_completion(serving(), chat_request(n=2))
+    response = await chat.chat_completion(serving(), chat_request(n=2), RequestStats("chat", "m"))
     assert not isinstance(response, AsyncIterator)
     assert [c.message.content for c in response.choices] == ["Hello there!"] * 2
     assert [c.finish_reason for c in response.choices] == ["length", "length"]
@@ -78,7 +78,9 @@ async def _events(stream: AsyncIterator[str]) -> list[str]:
 
 async def test_chat_stream_is_sse_with_role_first_usage_last_and_done() -> None:
     stream = await chat.chat_completion(
-        serving(), chat_request(stream=True, stream_options={"include_usage": True})
+        serving(),
+        chat_request(stream=True, stream_options={"include_usage": True}),
+        RequestStats("chat", "m"),
     )
     assert isinstance(stream, AsyncIterator)
     events = await _events(stream)
@@ -95,7 +97,7 @@ async def test_completion_multi_prompt_indexes_and_echo() -> None:
     request = CompletionRequest.model_validate(
         {"model": "smollm2-135m-instruct", "prompt": ["a", "b"], "n": 2, "echo": True}
     )
-    response = await completions.completion(serving(), request)
+    response = await completions.completion(serving(), request, RequestStats("cmpl", "m"))
     assert not isinstance(response, AsyncIterator)
     assert [c.index for c in response.choices] == [0, 1, 2, 3]
     assert [c.text for c in response.choices] == ["aHello there!"] * 2 + ["bHello there!"] * 2
@@ -104,7 +106,9 @@ async def test_completion_multi_prompt_indexes_and_echo() -> None:
 
 async def test_unknown_model_is_404() -> None:
     with pytest.raises(APIError) as info:
-        await chat.chat_completion(serving(), chat_request(model="gpt-9"))
+        await chat.chat_completion(
+            serving(), chat_request(model="gpt-9"), RequestStats("chat", "m")
+        )
     assert info.value.info.status == 404 and info.value.info.code == "model_not_found"
 
 
@@ -121,7 +125,9 @@ async def test_preprocess_error_surfaces_before_any_engine_call() -> None:
         yield ErrorInfo("unreachable")
 
     with pytest.raises(APIError) as info:
-        await chat.chat_completion(serving(generate, rejecting), chat_request())
+        await chat.chat_completion(
+            serving(generate, rejecting), chat_request(), RequestStats("chat", "m")
+        )
     assert info.value.info.code == "context_length_exceeded" and calls == []
 
 
@@ -130,14 +136,18 @@ async def test_engine_error_before_first_token_raises_and_mid_stream_becomes_eve
         yield ErrorInfo("engine died", status=503, type="server_error")
 
     with pytest.raises(APIError) as info:
-        await chat.chat_completion(serving(dead), chat_request(stream=True))
+        await chat.chat_completion(
+            serving(dead), chat_request(stream=True), RequestStats("chat", "m")
+        )
     assert info.value.info.status == 503
 
     async def dies_later(request: EngineRequest) -> AsyncIterator[EngineStep | ErrorInfo]:
         yield EngineStep([EngineChunk(0, "Hi", [1])], prompt_tokens=3)
         yield ErrorInfo("engine died", status=503, type="server_error")
 
-    stream = await chat.chat_completion(serving(dies_later), chat_request(stream=True))
+    stream = await chat.chat_completion(
+        serving(dies_later), chat_request(stream=True), RequestStats("chat", "m")
+    )
     assert isinstance(stream, AsyncIterator)
     events = await _events(stream)
     assert json.loads(events[-2][6:])["error"]["message"] == "engine died"

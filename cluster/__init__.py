@@ -1,0 +1,1 @@
+"""Cluster deployment: KubeRay and cluster-launcher manifests, their sync tool, the GPU check."""

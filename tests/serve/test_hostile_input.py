@@ -1,0 +1,294 @@
+"""Hostile input over real HTTP (the shared app, no keys): exact status, type, param and code.
+
+Every case must get an OpenAI-shaped error, never a 5xx, a hang or a FastAPI ``{"detail"}``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.serve.conftest import MODEL
+
+USER = [{"role": "user", "content": "hi"}]
+CHAT: dict[str, Any] = {"model": MODEL, "messages": USER, "max_tokens": 2}
+COMP: dict[str, Any] = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+TOOL: dict[str, Any] = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+LONG = "word " * 5000  # Beyond the 4096-token window, within the body limit.
+DEEP = "[" * 100_000 + "]" * 100_000  # Nesting deeper than any recursive parser allows.
+BIG = 3 * 1024 * 1024  # Beyond the default 2 MiB body limit.
+IRE = "invalid_request_error"
+# Known bugs in code this file does not own, reported to the lead (see the reasons).
+DETAIL_BODY = pytest.mark.xfail(
+    strict=False,
+    reason="router: Starlette HTTPException (body not parseable, 404, 405) renders as "
+    "{'detail': ...}, not OpenAI's error shape",
+)
+ENGINE_REJECTS = pytest.mark.xfail(
+    strict=False,
+    reason="engine: vLLM's VLLMValidationError (empty prompt, ids beyond the vocabulary, "
+    "min_tokens > max_tokens) escapes as 503 backend_unavailable instead of a 400",
+)
+PRIORITY = pytest.mark.xfail(
+    strict=False,
+    reason="protocol: priority is unbounded; outside int64 the engine request fails (503)",
+)
+LOGPROB_INF = pytest.mark.xfail(
+    strict=False,
+    reason="chat/completions: a constrained output gives -inf logprobs, which JSON cannot "
+    "encode (500 'Out of range float values are not JSON compliant')",
+)
+BATCH_POISON = pytest.mark.xfail(
+    strict=False,
+    reason="preprocess: a lone UTF-16 surrogate makes the batched tokenizer call raise "
+    "TypeError; every request in that @serve.batch window gets 503",
+)
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value).encode()
+
+
+def _chunks() -> Iterator[bytes]:
+    for _ in range(BIG // 65536):
+        yield b" " * 65536
+
+
+def _c(
+    id_: str,
+    request: tuple[str, Any],
+    status: int,
+    param: str | None,
+    code: str | None,
+    *marks: Any,
+) -> Any:
+    route, content = request
+    return pytest.param(route, content, status, param, code, id=id_, marks=marks)
+
+
+def ch(**fields: Any) -> tuple[str, bytes]:
+    """A chat request: CHAT with `fields` changed (None removes a field)."""
+    return "chat", _json({k: v for k, v in {**CHAT, **fields}.items() if v is not None})
+
+
+def co(**fields: Any) -> tuple[str, bytes]:
+    return "completions", _json({k: v for k, v in {**COMP, **fields}.items() if v is not None})
+
+
+def raw(route: str, text: str | bytes) -> tuple[str, bytes]:
+    return route, text.encode() if isinstance(text, str) else text
+
+
+def chat_with(extra: str) -> tuple[str, bytes]:
+    """CHAT plus literal JSON text (NaN, Infinity, ... that json.dumps will not write)."""
+    return raw("chat", _json(CHAT).decode()[:-1] + ", " + extra + "}")
+
+
+def msg(**fields: Any) -> tuple[str, bytes]:
+    return ch(messages=[fields])
+
+
+IV, CL, NF = "invalid_value", "context_length_exceeded", "model_not_found"
+SURR = '"\\ud800"'  # A lone surrogate, escaped as JSON allows.
+# Every error is type invalid_request_error: (id, request, status, param, code, *marks).
+CASES: list[Any] = [
+    # Malformed JSON and wrong top-level shapes.
+    _c("json-garbage", raw("chat", "{not json"), 400, None, "invalid_json"),
+    _c("json-truncated", raw("chat", '{"model": "x", "messages": ['), 400, None, "invalid_json"),
+    _c("json-trailing", raw("chat", _json(CHAT) + b"}"), 400, None, "invalid_json"),
+    _c("json-not-utf8", raw("chat", b'{"model": "\xff\xfe"}'), 400, None, "invalid_json",
+       DETAIL_BODY),
+    _c("deep-nesting", chat_with(f'"x": {DEEP}'), 400, None, "invalid_json", DETAIL_BODY),
+    _c("json-empty-body", raw("chat", b""), 400, None, IV),
+    _c("json-array", raw("chat", _json([CHAT])), 400, None, IV),
+    _c("json-string", raw("completions", _json("hello")), 400, None, IV),
+    _c("json-null", raw("chat", "null"), 400, None, IV),
+    # Numbers: NaN, Infinity, negatives, huge, wrong types.
+    _c("nan-temperature", chat_with('"temperature": NaN'), 400, "temperature", IV),
+    _c("inf-top-p", chat_with('"top_p": -Infinity'), 400, "top_p", IV),
+    _c("overflow-float", chat_with('"temperature": 1e400'), 400, "temperature", IV),
+    _c("inf-max-tokens", chat_with('"max_tokens": Infinity'), 400, "max_tokens", IV),  # Last wins.
+    _c("negative-max-tokens", ch(max_tokens=-5), 400, "max_tokens", IV),
+    _c("fractional-max-tokens", co(max_tokens=1.5), 400, "max_tokens", IV),
+    _c("huge-max-tokens", ch(max_tokens=10**30), 400, "max_tokens", CL),
+    _c("huge-n", ch(n=10**20), 400, "n", IV),
+    _c("zero-n", co(n=0), 400, "n", IV),
+    _c("huge-seed", ch(seed=2**64), 400, "seed", IV),
+    _c("negative-temperature", ch(temperature=-0.1), 400, "temperature", IV),
+    _c("top-p-above-1", co(top_p=1.5), 400, "top_p", IV),
+    _c("penalty-range", ch(presence_penalty=3), 400, "presence_penalty", IV),
+    _c("penalty-type", ch(frequency_penalty="x"), 400, "frequency_penalty", IV),
+    _c("logit-bias-value", ch(logit_bias={"1": 200}), 400, "logit_bias", IV),
+    _c("logit-bias-key", co(logit_bias={"abc": 1}), 400, "logit_bias", IV),
+    _c("top-k-below-minus-1", ch(top_k=-5), 400, "top_k", IV),
+    _c("repetition-penalty-zero", ch(repetition_penalty=0), 400, "repetition_penalty", IV),
+    _c("top-logprobs-21", ch(logprobs=True, top_logprobs=21), 400, "top_logprobs", IV),
+    _c("completion-logprobs-50", co(logprobs=50), 400, "logprobs", IV),
+    _c("stop-too-many", ch(stop=["x"] * 17), 400, "stop", IV),
+    _c("stop-type", co(stop=5), 400, "stop", IV),
+    _c("stream-type", ch(stream=[1]), 400, "stream", IV),
+    _c("stream-options-no-stream", ch(stream_options={"include_usage": True}), 400,
+       "stream_options", IV),
+    _c("best-of-not-n", co(best_of=3), 400, "best_of", IV),
+    _c("suffix", co(suffix="x"), 400, "suffix", IV),
+    # Model.
+    _c("unknown-model", ch(model="gpt-nope"), 404, "model", NF),
+    _c("unknown-model-path", co(model="../../etc/passwd"), 404, "model", NF),
+    _c("model-type", ch(model=7), 400, "model", IV),
+    _c("model-missing", raw("completions", _json({"prompt": "hi"})), 400, "model", IV),
+    # Messages.
+    _c("unknown-role", msg(role="wizard", content="x"), 400, "messages[0].role", IV),
+    _c("missing-role", msg(content="x"), 400, "messages[0].role", IV),
+    _c("content-type", msg(role="user", content=5), 400, "messages[0].content", IV),
+    _c("bad-content-part", msg(role="user", content=[{"type": "video", "url": "x"}]), 400,
+       "messages[0].content", IV),
+    _c("tool-message-no-id", msg(role="tool", content="x"), 400, "messages[0]", IV),
+    _c("user-message-no-content", msg(role="user"), 400, "messages[0]", IV),
+    _c("empty-messages", ch(messages=[]), 400, "messages", IV),
+    _c("messages-string", ch(messages="hello"), 400, "messages", IV),
+    _c("null-messages", raw("chat", _json({**CHAT, "messages": None})), 400, "messages", IV),
+    _c("too-many-messages", ch(messages=USER * 4097), 400, "messages", IV),
+    _c("template-kwargs-clash", ch(chat_template_kwargs={"tokenize": True}), 400, "messages", None),
+    # Prompts.
+    _c("long-chat-prompt", msg(role="user", content=LONG), 400, "messages", CL),
+    _c("long-completion-prompt", co(prompt=LONG), 400, "prompt", CL),
+    _c("empty-prompt", co(prompt=""), 400, "prompt", None),
+    _c("empty-prompt-list", co(prompt=[]), 400, "prompt", IV),
+    _c("nested-empty-prompt", co(prompt=[[]]), 400, "prompt", IV),
+    _c("negative-token-id", co(prompt=[-1]), 400, "prompt", IV),
+    _c("token-id-beyond-vocab", co(prompt=[1, 10**9]), 400, "prompt", None),
+    _c("prompt-object", co(prompt={"text": "hi"}), 400, "prompt", IV),
+    _c("lone-surrogate", raw("chat", _json(CHAT).decode().replace('"hi"', SURR)), 400,
+       "messages", None, BATCH_POISON),
+    _c("lone-surrogate-prompt", raw("completions", _json(COMP).decode().replace('"hi"', SURR)),
+       400, "prompt", None, BATCH_POISON),
+    # Accepted by validation, then rejected by vLLM: must be a 400, not a 5xx.
+    _c("empty-prompt-in-list", co(prompt=["hi", ""]), 400, "prompt", None, ENGINE_REJECTS),
+    _c("stop-token-id-beyond-vocab", ch(stop_token_ids=[10**6]), 400, "stop_token_ids", None,
+       ENGINE_REJECTS),
+    _c("logit-bias-beyond-vocab", co(logit_bias={"99999999": 1}), 400, "logit_bias", None,
+       ENGINE_REJECTS),
+    _c("min-tokens-above-max-tokens", ch(min_tokens=10), 400, "min_tokens", None, ENGINE_REJECTS),
+    _c("priority-below-int64", co(priority=-(2**63) - 1), 400, "priority", IV, PRIORITY),
+    # Size limits (the security middleware).
+    _c("oversized-body", raw("chat", b"x" * BIG), 413, None, "request_too_large"),
+    _c("oversized-chunked-body", ("completions", "chunked"), 413, None, "request_too_large"),
+    # Tools.
+    _c("tools-not-list", ch(tools="get_weather"), 400, "tools", IV),
+    _c("tool-bad-type", ch(tools=[{**TOOL, "type": "retrieval"}]), 400, "tools[0].type", IV),
+    _c("tool-no-function", ch(tools=[{"type": "function"}]), 400, "tools[0].function", IV),
+    _c("tool-bad-name", ch(tools=[{"type": "function", "function": {"name": "get weather!"}}]),
+       400, "tools[0].function.name", IV),
+    _c("tool-choice-without-tools", ch(tool_choice="required"), 400, "tool_choice", IV),
+    _c("tool-choice-unknown-function",
+       ch(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "x"}}), 400,
+       "tool_choice", None),
+    _c("tool-choice-bad-string", ch(tools=[TOOL], tool_choice="always"), 400, "tool_choice", IV),
+    _c("too-many-tools", ch(tools=[TOOL] * 129), 400, "tools", IV),
+    # response_format.
+    _c("response-format-unknown", ch(response_format={"type": "xml"}), 400,
+       "response_format.type", IV),
+    _c("response-format-string", ch(response_format="json"), 400, "response_format", IV),
+    _c("response-format-no-schema", ch(response_format={"type": "json_schema"}), 400,
+       "response_format.json_schema", None),
+    _c("response-format-bad-name",
+       co(response_format={"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}),
+       400, "response_format.json_schema.name", IV),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("route", "body", "status", "param", "code"), CASES)
+def test_hostile_request_gets_exact_openai_error(
+    base_url: str, route: str, body: Any, status: int, param: str | None, code: str | None
+) -> None:
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    content = _chunks() if body == "chunked" else body
+    headers = {"content-type": "application/json"}
+    response = httpx.post(f"{base_url}{path}", content=content, headers=headers, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert (error["type"], error["param"], error["code"]) == (IRE, param, code), error
+    assert error["message"]
+
+
+def test_case_count() -> None:
+    assert len(CASES) >= 40
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "headers", "status", "code"),
+    [
+        pytest.param("GET", "/health", {"x-junk": "j" * 10_000}, 431,
+                     "request_header_fields_too_large", id="big-header-431"),
+        pytest.param("GET", "/v1/models", {"x-a": "a" * 4000, "x-b": "b" * 4500}, 431,
+                     "request_header_fields_too_large", id="many-headers-431"),
+        pytest.param("POST", "/v1/chat/completions", {"content-type": "text/plain"}, 400,
+                     "invalid_value", id="text-plain-body"),
+    ],
+)  # fmt: skip
+def test_hostile_headers(
+    base_url: str, method: str, path: str, headers: dict[str, str], status: int, code: str
+) -> None:
+    response = httpx.request(
+        method, f"{base_url}{path}", headers=headers, content=_json(CHAT), timeout=60
+    )
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["code"] == code
+
+
+@DETAIL_BODY
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [("GET", "/v1/chat/completions", 405), ("DELETE", "/v1/models", 405), ("GET", "/v1/nope", 404)],
+)
+def test_wrong_method_or_route_is_openai_shaped(
+    base_url: str, method: str, path: str, status: int
+) -> None:
+    response = httpx.request(method, f"{base_url}{path}", timeout=30)
+    assert response.status_code == status
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_server_survives_and_still_answers(base_url: str) -> None:
+    """After all of the above, a normal request still works."""
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=CHAT, timeout=120)
+    assert response.status_code == 200, response.text
+
+
+@BATCH_POISON
+def test_bad_neighbour_does_not_fail_a_good_request(base_url: str) -> None:
+    """A hostile request must not take down the others preprocessed in the same batch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bad = _json(CHAT).decode().replace('"hi"', SURR).encode()
+    url = f"{base_url}/v1/chat/completions"
+    headers = {"content-type": "application/json"}
+
+    def post(content: bytes) -> int:
+        return httpx.post(url, content=content, headers=headers, timeout=120).status_code
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        good = list(pool.map(post, [_json(CHAT), bad] * 4))[::2]
+    assert good == [200] * 4, good
+
+
+@LOGPROB_INF
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("completions", {**COMP, "guided_choice": ["yes", "no"], "logprobs": 5}),
+        ("chat", {**CHAT, "response_format": {"type": "json_object"}, "logprobs": True,
+                  "top_logprobs": 5}),
+    ],
+)  # fmt: skip
+def test_logprobs_with_constrained_output_are_valid_json(
+    base_url: str, route: str, body: dict[str, Any]
+) -> None:
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    response = httpx.post(f"{base_url}{path}", json=body, timeout=120)
+    assert response.status_code == 200, response.text

@@ -1,0 +1,157 @@
+"""API keys and rate limits on the real graph: a second app ("secure") with keys, two routers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from serve_app import build_app
+from tests.serve.conftest import MODEL
+
+ADMIN = "sk-admin-4c1f0e8a9b7d"
+LIMITED = "sk-limited-77e2a1c05f3b"
+TOKENS = "sk-tokens-0a9e5d3c2b1f"
+RPM = 6
+OPEN = {"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+USER = [{"role": "user", "content": "Say hi."}]
+
+
+@pytest.fixture(scope="module")
+def secure_url(base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from ray import serve
+
+    keys = Path(tmp_path_factory.mktemp("keys")) / "api_keys"
+    keys.write_text(f"admin:{ADMIN}\nlimited:{LIMITED}\ntokens:{TOKENS}\n")
+    keys.chmod(0o600)
+    args: dict[str, Any] = {
+        "model": {"name": MODEL, "max_model_len": 2048, "dtype": "bfloat16"},
+        "engine": {
+            "device": "cpu",
+            "enforce_eager": True,
+            "kv_cache_space_gib": 1,
+            "block_size": 32,
+            "max_num_seqs": 16,
+            "num_cpus": 0.2,
+        },
+        "preprocessor": {"num_cpus": 0.05},
+        "router": {"num_cpus": 0.05, "num_replicas": 2},
+        "security": {
+            "api_keys_file": str(keys),
+            "key_rate_limits": {
+                "limited": {"requests_per_minute": RPM},
+                "tokens": {"tokens_per_minute": 200},
+            },
+        },
+    }
+    serve.run(build_app(args), name="secure", route_prefix="/secure", blocking=False)
+    url = f"{base_url}/secure"
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            response = httpx.get(f"{url}/v1/models", headers=_auth(ADMIN), timeout=10)
+            if response.status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "secure app not ready after 600 s"
+        time.sleep(1)
+    yield url
+    serve.delete("secure")
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _client(url: str, key: str) -> OpenAI:
+    return OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=300)
+
+
+def test_every_route_needs_a_key(secure_url: str) -> None:
+    spec = httpx.get(f"{secure_url}/openapi.json", timeout=30).json()  # Open, like /health.
+    routes = [(m.upper(), p) for p, ops in spec["paths"].items() for m in ops if p not in OPEN]
+    assert ("POST", "/v1/chat/completions") in routes and ("GET", "/v1/models") in routes
+    for method, path in [*routes, ("GET", "/v1/does-not-exist")]:
+        for headers in ({}, _auth("sk-wrong-0000000000"), {"Authorization": f"Basic {ADMIN}"}):
+            response = httpx.request(method, f"{secure_url}{path}", headers=headers, timeout=30)
+            assert response.status_code == 401, (method, path, response.text)
+            error = response.json()["error"]
+            assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_api_key")
+    for path in ("/health", "/openapi.json", "/docs"):
+        assert httpx.get(f"{secure_url}{path}", timeout=30).status_code == 200, path
+
+
+def test_openai_client_wrong_key_is_authentication_error(secure_url: str) -> None:
+    client = _client(secure_url, "sk-wrong-0000000000")
+    with pytest.raises(openai.AuthenticationError) as error:
+        client.models.list()
+    assert error.value.code == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2)  # type: ignore[arg-type]
+    with pytest.raises(openai.AuthenticationError):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+
+
+def test_openai_client_right_key_works_on_every_route(secure_url: str) -> None:
+    client = _client(secure_url, ADMIN)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    chat = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4)  # type: ignore[arg-type]
+    assert chat.choices[0].message.content
+    text = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4)
+    assert text.choices[0].text
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,  # type: ignore[arg-type]
+        max_tokens=4,
+        stream=True,
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    # Keys never reach the app's own errors: a bad request with a good key is a plain 400.
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=USER, temperature=9)  # type: ignore[arg-type]
+
+
+def test_rate_limit_holds_across_two_router_replicas(secure_url: str) -> None:
+    import ray
+    from ray import serve
+
+    routers = serve.status().applications["secure"].deployments["Router"].replica_states
+    assert routers.get("RUNNING") == 2, routers
+    # One limiter for the whole app, whichever replica created it.
+    assert ray.get_actor("serve_app_rate_limiter.secure", namespace="serve_app")
+    client = _client(secure_url, LIMITED)
+
+    def one(_: int) -> int | str:
+        try:
+            client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1)  # type: ignore[arg-type]
+            return 200
+        except openai.RateLimitError as exc:
+            assert exc.code == "rate_limit_exceeded"
+            assert exc.body and exc.body["type"] == "requests"  # type: ignore[index]
+            return exc.response.headers["retry-after"]
+
+    # Concurrent, so the proxy spreads them over both router replicas.
+    with ThreadPoolExecutor(max_workers=2 * RPM) as pool:
+        results = list(pool.map(one, range(2 * RPM)))
+    assert results.count(200) == RPM, results
+    retry_after = [int(r) for r in results if r != 200]
+    assert len(retry_after) == RPM and all(1 <= r <= 60 for r in retry_after), results
+    # Other keys keep their own budgets.
+    assert _client(secure_url, ADMIN).models.list().data
+
+
+def test_token_budget_charges_max_tokens_up_front(secure_url: str) -> None:
+    client = _client(secure_url, TOKENS)
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=150)  # 1 + 150 of 200.
+    with pytest.raises(openai.RateLimitError) as error:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=150)
+    assert error.value.body["type"] == "tokens"  # type: ignore[index]
+    assert int(error.value.response.headers["retry-after"]) >= 1
