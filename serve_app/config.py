@@ -62,6 +62,12 @@ class ReplicaConfig(_Strict):
     max_ongoing_requests: int = Field(
         256, ge=1, description="In-flight requests one replica accepts before Serve queues."
     )
+    max_queued_requests: int = Field(
+        -1,
+        ge=-1,
+        description="Requests queued for this deployment beyond max_ongoing_requests before "
+        "callers get 503 + Retry-After (-1: unbounded).",
+    )
     num_cpus: float = Field(
         0.1, ge=0, description="CPUs reserved per replica; keep it fractional on small machines."
     )
@@ -81,6 +87,7 @@ class ReplicaConfig(_Strict):
     def deployment_options(self) -> dict[str, Any]:
         options: dict[str, Any] = {
             "max_ongoing_requests": self.max_ongoing_requests,
+            "max_queued_requests": self.max_queued_requests,
             "ray_actor_options": {"num_cpus": self.num_cpus},
         }
         if self.resources:

@@ -99,6 +99,9 @@ class EngineDeployment:
     def finished_spans(self) -> list[dict[str, Any]]:
         return tracing.finished_spans()
 
+    def num_unfinished(self) -> int:
+        return self.engine.num_unfinished()
+
     def engine_args(self) -> dict[str, Any]:
         return self.engine.resolved_args
 

@@ -25,6 +25,10 @@ class Engine(Protocol):
 
     def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]: ...
 
+    def num_unfinished(self) -> int:
+        """Requests the engine still holds (running or waiting)."""
+        return int(self._llm.output_processor.get_num_unfinished_requests())
+
     async def abort(self, request_id: str) -> None: ...
 
     async def check_health(self) -> None: ...
@@ -198,6 +202,10 @@ class VLLMEngine:
             raise APIError(str(exc), param=None) from exc
         finally:
             await stream.aclose()
+
+    def num_unfinished(self) -> int:
+        """Requests the engine still holds (running or waiting)."""
+        return int(self._llm.output_processor.get_num_unfinished_requests())
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)

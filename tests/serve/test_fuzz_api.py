@@ -170,7 +170,8 @@ class Run:
             self.known[known] = self.known.get(known, 0) + 1
             return
         try:
-            if response.headers.get("content-type", "").startswith("text/event-stream"):
+            content_type = (response.headers.get("content-type") or [""])[0]  # Lists of values.
+            if content_type.startswith("text/event-stream"):
                 # The documented 200 body is the JSON response; streams are checked by hand.
                 assert status == 200
                 for event in _sse_events(response.text):
