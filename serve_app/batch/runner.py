@@ -122,12 +122,15 @@ def run_job(job: JobConfig) -> JobSummary:
     todo = ds.map_batches(
         drop_done, batch_format="pyarrow", fn_kwargs={"id_column": job.id_column, "done": done}
     )
+    # One block per engine batch: each finished batch reaches the driver (and a part file)
+    # on its own instead of waiting for the rest of its input file.
+    todo = todo.repartition(target_num_rows_per_block=job.batch_size)
     mapped = todo.map_batches(
         EngineWorker,
         fn_constructor_kwargs={"job": job},
         batch_size=job.batch_size,
         batch_format="pyarrow",
-        concurrency=job.concurrency,
+        compute=ray.data.ActorPoolStrategy(size=job.concurrency),
         **actor_options(job),
     )
     bar = _progress(total, job.progress)

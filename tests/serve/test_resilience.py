@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -58,10 +59,8 @@ def test_cut_non_streaming_request_frees_engine_slot(base_url: str) -> None:
     }
 
     def call() -> None:
-        try:
+        with contextlib.suppress(httpx.TimeoutException):
             httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=4)
-        except httpx.TimeoutException:
-            pass
 
     caller = threading.Thread(target=call)
     caller.start()

@@ -1,0 +1,179 @@
+"""Offline throughput on one corpus: our Ray Data job vs ``vllm.LLM.generate`` vs ``ray.data.llm``.
+
+Same model, same engine arguments (``serve_app.engine.engine_args``), same prompts and
+per-row max_tokens, measured side by side in one run:
+``python -m loadtest.batch_offline --rows 1000 --config serve_config.cpu.yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TOPICS = ["the sea", "a cat", "rain", "a city", "bread", "a robot", "the moon", "a river"]
+
+
+def corpus_rows(count: int, bad: bool = False) -> list[dict[str, Any]]:
+    """Short prompts, max_tokens 4–8; with ``bad`` a few rows each job must report as errors."""
+    rows: list[dict[str, Any]] = [
+        {
+            "id": f"row-{i:05d}",
+            "prompt": f"Name one fact about {TOPICS[i % len(TOPICS)]} (#{i}).",
+            "max_tokens": 4 + i % 5,
+        }
+        for i in range(count)
+    ]
+    if bad:
+        rows[10] = {"id": rows[10]["id"], "max_tokens": 4}  # no prompt
+        rows[20]["prompt"] = "word " * 6000  # longer than the context window
+        rows[30]["temperature"] = -1.0  # invalid
+        rows[40]["max_tokens"] = 0  # invalid
+    return rows
+
+
+def bad_ids(count: int) -> set[str]:
+    return {f"row-{i:05d}" for i in (10, 20, 30, 40) if i < count}
+
+
+def write_corpus(path: str | Path, count: int, bad: bool = False) -> Path:
+    path = Path(path)
+    with path.open("w") as handle:
+        for row in corpus_rows(count, bad):
+            handle.write(json.dumps(row) + "\n")
+    return path
+
+
+@dataclass
+class Result:
+    name: str
+    rows: int
+    output_tokens: int
+    seconds: float
+
+    def line(self, base: Result | None) -> str:
+        ratio = "" if base is None else f"  ({self.tok_s / base.tok_s:.2f}x of {base.name})"
+        return (
+            f"{self.name:<22} {self.rows:>6} rows {self.seconds:>8.1f} s "
+            f"{self.rows / self.seconds:>8.2f} rows/s {self.tok_s:>8.1f} out tok/s{ratio}"
+        )
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def run_ours(corpus: Path, config_path: str | None, batch_size: int) -> Result:
+    from serve_app.batch import JobConfig, run_job
+    from serve_app.batch.__main__ import app_config
+
+    with tempfile.TemporaryDirectory() as out:
+        job = JobConfig(
+            input=str(corpus),
+            output=out,
+            temperature=0.0,
+            batch_size=batch_size,
+            app_config=app_config(config_path),
+            progress=False,
+        )
+        summary = run_job(job)
+    return Result("serve_app.batch", summary.rows, summary.completion_tokens, summary.wall_s)
+
+
+def _engine_env(config_path: str | None) -> tuple[Any, dict[str, Any]]:
+    from serve_app.batch.__main__ import app_config
+    from serve_app.engine import engine_args
+    from serve_app.models import resolve_model
+
+    config = app_config(config_path)
+    os.environ.update(config.engine.runtime_env_vars())
+    return config, engine_args(config, resolve_model(config.model.name))
+
+
+def run_vllm(corpus: Path, config_path: str | None) -> Result:
+    from vllm import LLM, SamplingParams
+
+    started = time.perf_counter()
+    _, args = _engine_env(config_path)
+    rows = [json.loads(line) for line in corpus.read_text().splitlines()]
+    llm = LLM(**args)
+    messages = [[{"role": "user", "content": row["prompt"]}] for row in rows]
+    params = [SamplingParams(max_tokens=row["max_tokens"], temperature=0.0) for row in rows]
+    outputs = llm.chat(messages, params, use_tqdm=False)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    seconds = time.perf_counter() - started
+    del llm
+    return Result("vllm.LLM.chat", len(rows), tokens, seconds)
+
+
+def run_ray_data_llm(corpus: Path, config_path: str | None, batch_size: int) -> Result:
+    import ray.data
+    from ray.data.llm import build_processor, vLLMEngineProcessorConfig
+
+    started = time.perf_counter()
+    config, args = _engine_env(config_path)
+    model = args.pop("model")
+    args.pop("served_model_name", None)
+    processor_config = vLLMEngineProcessorConfig(
+        model_source=model,
+        engine_kwargs=args,
+        batch_size=batch_size,
+        concurrency=1,
+        accelerator_type=None,
+        runtime_env={"env_vars": config.engine.runtime_env_vars()},
+        apply_chat_template=True,
+        tokenize=True,
+        detokenize=True,
+    )
+    processor = build_processor(
+        processor_config,
+        preprocess=lambda row: {
+            "messages": [{"role": "user", "content": row["prompt"]}],
+            "sampling_params": {"max_tokens": int(row["max_tokens"]), "temperature": 0.0},
+        },
+        postprocess=lambda row: {"tokens": len(row.get("generated_tokens") or [])},
+    )
+    out = processor(ray.data.read_json(str(corpus))).take_all()
+    seconds = time.perf_counter() - started
+    return Result("ray.data.llm", len(out), sum(r["tokens"] for r in out), seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=1000)
+    parser.add_argument("--config", default="serve_config.cpu.yaml")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--skip", nargs="*", default=[], choices=["ours", "vllm", "raydata"])
+    args = parser.parse_args()
+    import ray
+
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    results: list[Result] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = write_corpus(Path(tmp) / "corpus.jsonl", args.rows)
+        runs = {
+            "ours": lambda: run_ours(corpus, args.config, args.batch_size),
+            "vllm": lambda: run_vllm(corpus, args.config),
+            "raydata": lambda: run_ray_data_llm(corpus, args.config, args.batch_size),
+        }
+        for name, run in runs.items():
+            if name in args.skip:
+                continue
+            try:
+                results.append(run())
+                print(results[-1].line(None), flush=True)
+            except Exception as exc:  # Report and keep measuring the others.
+                print(f"{name}: failed: {type(exc).__name__}: {exc}", flush=True)
+    print("\nwall time includes engine start for every target")
+    base = next((r for r in results if r.name == "vllm.LLM.chat"), None)
+    for result in results:
+        print(result.line(base if result is not base else None))
+
+
+if __name__ == "__main__":
+    main()
