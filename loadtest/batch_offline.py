@@ -14,7 +14,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 TOPICS = ["the sea", "a cat", "rain", "a city", "bread", "a robot", "the moon", "a river"]
 
@@ -104,7 +104,7 @@ def run_vllm(corpus: Path, config_path: str | None) -> Result:
     llm = LLM(**args)
     messages = [[{"role": "user", "content": row["prompt"]}] for row in rows]
     params = [SamplingParams(max_tokens=row["max_tokens"], temperature=0.0) for row in rows]
-    outputs = llm.chat(messages, params, use_tqdm=False)
+    outputs = llm.chat(cast(Any, messages), params, use_tqdm=False)
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     seconds = time.perf_counter() - started
     del llm
@@ -119,6 +119,9 @@ def run_ray_data_llm(corpus: Path, config_path: str | None, batch_size: int) -> 
     config, args = _engine_env(config_path)
     model = args.pop("model")
     args.pop("served_model_name", None)
+    # CPU only: one engine actor with the same fractional CPU as ours (no GPU bundle), and
+    # small CPU stages so that every stage fits on a 2-core machine.
+    stage = {"num_cpus": 0.1, "concurrency": 1}
     processor_config = vLLMEngineProcessorConfig(
         model_source=model,
         engine_kwargs=args,
@@ -126,9 +129,10 @@ def run_ray_data_llm(corpus: Path, config_path: str | None, batch_size: int) -> 
         concurrency=1,
         accelerator_type=None,
         runtime_env={"env_vars": config.engine.runtime_env_vars()},
-        apply_chat_template=True,
-        tokenize=True,
-        detokenize=True,
+        placement_group_config={"bundles": [{"CPU": config.engine.num_cpus}]},
+        chat_template_stage=stage,
+        tokenize_stage=stage,
+        detokenize_stage=stage,
     )
     processor = build_processor(
         processor_config,

@@ -52,10 +52,42 @@ def check_model(config: AppConfig) -> None:
         derive_max_model_len(config, hf_config)
 
 
+def check_placement(config: AppConfig, nodes: list[dict[str, Any]] | None = None) -> None:
+    """Fail at start, with the numbers, when the engine's placement group cannot be placed on
+    the connected cluster (e.g. TP=8 on 4 GPUs). ``nodes``: ``ray.nodes()``; skipped when Ray is
+    not connected or SERVE_APP_SKIP_PLACEMENT_CHECK=1 (clusters that add GPU nodes on demand)."""
+    placement = config.engine.placement()
+    if placement is None or os.environ.get("SERVE_APP_SKIP_PLACEMENT_CHECK") == "1":
+        return
+    if nodes is None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        nodes = ray.nodes()
+    gpus = [float(n.get("Resources", {}).get("GPU", 0)) for n in nodes if n.get("Alive", True)]
+    bundles, strategy = placement
+    need = sum(bundle.get("GPU", 0) for bundle in bundles)
+    per_replica = max(gpus, default=0) if strategy == "STRICT_PACK" else sum(gpus)
+    if need > per_replica:
+        where, has = (
+            ("one node", "the largest node")
+            if strategy == "STRICT_PACK"
+            else ("the cluster", "the cluster")
+        )
+        raise ValueError(
+            f"engine: tensor_parallel_size {config.engine.tensor_parallel_size} x "
+            f"pipeline_parallel_size {config.engine.pipeline_parallel_size} needs {need:g} GPUs "
+            f"on {where} ({strategy} placement group), but {has} has {per_replica:g} "
+            f"(GPUs per node: {gpus}); lower the parallel sizes or add GPUs"
+        )
+
+
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     """Build the Serve application from a Serve config's ``args`` (validated as AppConfig)."""
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     check_model(config)
+    check_placement(config)
     plain = config.model_dump(mode="json")
     preprocessor = PreprocessorDeployment.options(  # type: ignore[attr-defined]
         **_with_env(config.preprocessor.deployment_options(), {})

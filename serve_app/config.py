@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from serve_app.autoscaling import EngineAutoscalingConfig, autoscaling_config, replica_env
 from serve_app.protocol.common import GenerationDefaults
 from serve_app.security import SecurityConfig
 
@@ -68,6 +69,15 @@ class ReplicaConfig(_Strict):
         description="Requests queued for this deployment beyond max_ongoing_requests before "
         "callers get 503 + Retry-After (-1: unbounded).",
     )
+    backpressure_status: Literal[503, 429] = Field(
+        503, description="HTTP status of requests rejected because max_queued_requests is full."
+    )
+    retry_after_s: float = Field(
+        1, ge=0, description="Retry-After (seconds) sent with backpressure rejections."
+    )
+    graceful_shutdown_timeout_s: float = Field(
+        30, ge=0, description="On shutdown or scale-down, in-flight requests get this long."
+    )
     num_cpus: float = Field(
         0.1, ge=0, description="CPUs reserved per replica; keep it fractional on small machines."
     )
@@ -88,6 +98,11 @@ class ReplicaConfig(_Strict):
         options: dict[str, Any] = {
             "max_ongoing_requests": self.max_ongoing_requests,
             "max_queued_requests": self.max_queued_requests,
+            "backpressure_config": {
+                "status_code": self.backpressure_status,
+                "retry_after_s": self.retry_after_s,
+            },
+            "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
             "ray_actor_options": {"num_cpus": self.num_cpus},
         }
         if self.resources:
@@ -158,6 +173,29 @@ class EngineConfig(ReplicaConfig):
     max_ongoing_requests: int = Field(
         512, ge=1, description="Requests one engine replica takes; vLLM batches them."
     )
+    autoscaling: EngineAutoscalingConfig = Field(
+        default_factory=EngineAutoscalingConfig,
+        description="With num_replicas 'auto': scale on vLLM's queue depth (or Serve's default).",
+    )
+    health_check_period_s: float = Field(
+        5, gt=0, description="How often Serve checks the engine (vLLM alive) of each replica."
+    )
+    health_check_timeout_s: float = Field(
+        30, gt=0, description="A health check slower than this fails; the replica is replaced."
+    )
+
+    def deployment_options(self) -> dict[str, Any]:
+        options = super().deployment_options()
+        options["health_check_period_s"] = self.health_check_period_s
+        options["health_check_timeout_s"] = self.health_check_timeout_s
+        if self.num_replicas == "auto":
+            options["autoscaling_config"] = autoscaling_config(
+                self.autoscaling,
+                min_replicas=self.min_replicas,
+                max_replicas=self.max_replicas,
+                target_ongoing=self.target_ongoing_requests,
+            )
+        return options
 
     @field_validator("block_size")
     @classmethod
@@ -215,6 +253,8 @@ class EngineConfig(ReplicaConfig):
         if self.resolved_device() == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.kv_cache_space_gib)
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_threads_bind
+        if self.num_replicas == "auto":
+            env |= replica_env(self.autoscaling)
         return env | self.env
 
 
@@ -238,6 +278,15 @@ class AppConfig(_Strict):
     )
     request_timeout_s: float = Field(
         600, gt=0, description="A request running longer gets 504 and its engine work aborted."
+    )
+    engine_wait_timeout_s: float = Field(
+        30,
+        gt=0,
+        description="A request no engine replica accepts within this time (none running, or "
+        "all full) gets 503 backend_unavailable instead of waiting for request_timeout_s.",
+    )
+    health_timeout_s: float = Field(
+        2, gt=0, description="/health answers 503 when no engine confirms health within this."
     )
     security: SecurityConfig = Field(
         default_factory=SecurityConfig,

@@ -9,14 +9,76 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 
 from serve_app import tracing
+from serve_app.autoscaling import QUEUE_METRIC
 from serve_app.config import AppConfig
 from serve_app.errors import APIError, ErrorInfo
 from serve_app.messages import EngineRequest, EngineStep, PreprocessRequest, PreprocessResult
 from serve_app.metrics import BatchMetrics
 
 logger = logging.getLogger("serve_app")
+
+
+def timeout_error(timeout_s: float) -> APIError:
+    return APIError(
+        f"The request took longer than {timeout_s:g} s and was aborted; lower max_tokens or "
+        "raise request_timeout_s.",
+        status=504,
+        type="server_error",
+        code="timeout",
+    )
+
+
+async def bounded_stream(
+    response: Any, *, assign_timeout_s: float, timeout_s: float
+) -> AsyncIterator[Any]:
+    """Items of a streaming handle call (``DeploymentResponseGenerator``), bounded twice.
+
+    No replica takes the call within ``assign_timeout_s`` (none running, or all full): 503
+    ``backend_unavailable``. The whole stream past ``timeout_s``: 504 ``timeout``. Whenever
+    the stream does not run to its end (bound hit, consumer gone), the call is cancelled, so
+    the engine aborts the vLLM request.
+    """
+    deadline = time.monotonic() + timeout_s
+    done = False
+    try:
+        # Private Serve API (2.60): resolves once a replica accepted the call.
+        assigned = getattr(response, "_fetch_future_result_async", None)
+        if assigned is not None:
+            try:
+                await asyncio.wait_for(assigned(), min(assign_timeout_s, timeout_s))
+            except BackPressureError as exc:
+                raise APIError(
+                    f"The model backend is at capacity ({exc.message}); retry shortly.",
+                    status=exc.status_code,
+                    type="server_error",
+                    code="overloaded",
+                ) from None
+            except TimeoutError:
+                raise APIError(
+                    f"No model replica accepted the request within {assign_timeout_s:g} s "
+                    "(starting, restarting or overloaded); retry shortly.",
+                    status=503,
+                    type="server_error",
+                    code="backend_unavailable",
+                ) from None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise timeout_error(timeout_s)
+            try:
+                item = await asyncio.wait_for(anext(response), remaining)
+            except StopAsyncIteration:
+                done = True
+                return
+            except TimeoutError:
+                raise timeout_error(timeout_s) from None
+            yield item
+    finally:
+        if not done:
+            response.cancel()
 
 
 @serve.deployment(name="Preprocessor")
@@ -69,7 +131,7 @@ class PreprocessorDeployment:
             return exc.info
 
 
-@serve.deployment(name="Engine", health_check_period_s=10, health_check_timeout_s=30)
+@serve.deployment(name="Engine")
 class EngineDeployment:
     """Owns one vLLM AsyncLLM; streams engine steps back through the handle."""
 
@@ -106,7 +168,20 @@ class EngineDeployment:
         return self.engine.resolved_args
 
     async def check_health(self) -> None:
+        """Serve's periodic probe: raises when vLLM's engine core is dead (replica replaced)."""
         await self.engine.check_health()
+
+    async def healthy(self) -> bool:
+        """The router's /health asks this (cheap: no engine step involved)."""
+        try:
+            await self.engine.check_health()
+        except Exception:
+            return False
+        return True
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Queue depth (vLLM running + waiting) for ``serve_app.autoscaling.EngineQueuePolicy``."""
+        return {QUEUE_METRIC: float(self.engine.num_unfinished())}
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

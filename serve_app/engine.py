@@ -27,7 +27,7 @@ class Engine(Protocol):
 
     def num_unfinished(self) -> int:
         """Requests the engine still holds (running or waiting)."""
-        return int(self._llm.output_processor.get_num_unfinished_requests())
+        ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -107,15 +107,21 @@ def to_sampling_params(request: EngineRequest) -> SamplingParams:
     )
 
 
+def _finite(logprob: float) -> float:
+    # Constrained decoding masks tokens to -inf, which JSON cannot carry; vLLM's server clamps too.
+    return max(logprob, -9999.0)
+
+
 def _convert_logprobs(token_ids: Any, logprobs: Any, top_n: int) -> list[TokenLogprob]:
     out = []
     for token_id, position in zip(token_ids, logprobs, strict=False):
         chosen = position[token_id]
         ranked = sorted(position.items(), key=lambda item: item[1].rank or 0)
         top = tuple(
-            TopLogprob(entry.decoded_token or "", entry.logprob) for _, entry in ranked[:top_n]
+            TopLogprob(entry.decoded_token or "", _finite(entry.logprob))
+            for _, entry in ranked[:top_n]
         )
-        out.append(TokenLogprob(chosen.decoded_token or "", chosen.logprob, top))
+        out.append(TokenLogprob(chosen.decoded_token or "", _finite(chosen.logprob), top))
     return out
 
 
@@ -158,6 +164,7 @@ class VLLMEngine:
         self.max_model_len: int = self._llm.model_config.max_model_len
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -198,8 +205,8 @@ class VLLMEngine:
                 type="server_error",
                 code="engine_unavailable",
             ) from exc
-        except ValueError as exc:  # vLLM's own validation of params we could not pre-check.
-            raise APIError(str(exc), param=None) from exc
+        except (ValueError, VLLMClientError) as exc:  # vLLM's checks we did not pre-empt.
+            raise APIError(str(exc), param=getattr(exc, "parameter", None)) from exc
         finally:
             await stream.aclose()
 

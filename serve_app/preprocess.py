@@ -11,7 +11,7 @@ from typing import Any
 
 from serve_app.config import AppConfig
 from serve_app.errors import APIError, ErrorInfo, context_length_exceeded
-from serve_app.messages import PreprocessRequest, PreprocessResult, TokenizedPrompt
+from serve_app.messages import PreprocessRequest, PreprocessResult, SamplingSpec, TokenizedPrompt
 from serve_app.structured import check_structured, check_tools
 
 logger = logging.getLogger("serve_app.preprocess")
@@ -120,6 +120,13 @@ class Preprocessor:
         return [(str(text), False)]
 
     def _check_chars(self, request: PreprocessRequest, text: str) -> None:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # Lone surrogates would fail the whole batch call.
+            raise APIError(
+                f"The text is not valid Unicode ({exc.reason} at position {exc.start}).",
+                param=_prompt_param(request),
+            ) from exc
         if len(text) > self.max_model_len * _MAX_CHARS_PER_TOKEN:
             raise context_length_exceeded(
                 prompt_tokens=len(text) // _MAX_CHARS_PER_TOKEN,
@@ -127,6 +134,9 @@ class Preprocessor:
                 max_model_len=self.max_model_len,
                 param=_prompt_param(request),
             )
+
+    def _check_sampling(self, request: PreprocessRequest) -> ErrorInfo | None:
+        return _sampling_errors(request.sampling, self.vocab_size)
 
     def _check_token_ids(self, ids: list[int], param: str) -> None:
         bad = next((t for t in ids if t >= self.vocab_size), None)
@@ -159,8 +169,10 @@ class Preprocessor:
         sampling = request.sampling
         longest = max(len(p.token_ids) for p in prompts)
         param = _prompt_param(request)
-        if longest == 0:
-            return PreprocessResult(error=ErrorInfo("The prompt is empty.", param=param))
+        if min(len(p.token_ids) for p in prompts) == 0:
+            return PreprocessResult(error=ErrorInfo("A prompt is empty.", param=param))
+        if error := self._check_sampling(request):
+            return PreprocessResult(error=error)
         requested = sampling.max_tokens
         if longest >= self.max_model_len or (
             requested is not None and longest + requested > self.max_model_len
@@ -174,6 +186,28 @@ class Preprocessor:
             return PreprocessResult(error=err.info)
         max_tokens = requested if requested is not None else self.max_model_len - longest
         return PreprocessResult(prompts=prompts, sampling=sampling.with_max_tokens(max_tokens))
+
+
+def _sampling_errors(sampling: SamplingSpec, vocab_size: int) -> ErrorInfo | None:
+    """What vLLM would reject about token ids and lengths, said as a 400 before engine time."""
+    bad_stop = [t for t in sampling.stop_token_ids if t >= vocab_size]
+    if bad_stop:
+        return ErrorInfo(
+            f"stop_token_ids {bad_stop} are outside the vocabulary ({vocab_size}).",
+            param="stop_token_ids",
+        )
+    bad_bias = [t for t in sampling.logit_bias or {} if t >= vocab_size]
+    if bad_bias:
+        return ErrorInfo(
+            f"logit_bias token ids {bad_bias} are outside the vocabulary ({vocab_size}).",
+            param="logit_bias",
+        )
+    if sampling.max_tokens is not None and sampling.min_tokens > sampling.max_tokens:
+        return ErrorInfo(
+            f"min_tokens {sampling.min_tokens} exceeds max_tokens {sampling.max_tokens}.",
+            param="min_tokens",
+        )
+    return None
 
 
 def _prompt_param(request: PreprocessRequest) -> str:

@@ -15,10 +15,12 @@ from opentelemetry.trace import Span, SpanKind
 from pydantic import BaseModel
 from ray import serve
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve_app import chat, completions, tracing
+from serve_app import batch_api, chat, completions, tracing
 from serve_app.config import AppConfig
-from serve_app.errors import APIError, ErrorInfo, backend_error
+from serve_app.deployments import bounded_stream
+from serve_app.errors import BACKEND_UNAVAILABLE, APIError, ErrorInfo, backend_error
 from serve_app.messages import PreprocessRequest, SamplingSpec
 from serve_app.metrics import RouterMetrics
 from serve_app.middleware import SecurityMiddleware, configure
@@ -49,10 +51,14 @@ app = FastAPI(
 )
 # Before @serve.ingress freezes a copy of the app; settings arrive later via `configure`.
 app.add_middleware(SecurityMiddleware)
+app.include_router(batch_api.router)  # Before @serve.ingress copies the app.
 
 
 def error_response(info: ErrorInfo) -> JSONResponse:
-    return JSONResponse(info.body(), status_code=info.status)
+    response = JSONResponse(info.body(), status_code=info.status)
+    if info.status in (429, 503):  # Overloaded or restarting: tell clients when to retry.
+        response.headers["retry-after"] = "1"
+    return response
 
 
 _PARAM_PREFIX = re.compile(r"^(?:Value error, )?([a-z_]+(?:\.[a-z_]+)*): ")
@@ -93,6 +99,18 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     return error_response(ErrorInfo(message, param=param, code="invalid_value"))
 
 
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes, wrong methods, unreadable bodies: OpenAI's error shape too."""
+    codes = {400: "invalid_json", 404: "not_found", 405: "method_not_allowed"}
+    message = str(exc.detail) if exc.status_code != 404 else "Unknown route; see /openapi.json."
+    info = ErrorInfo(message, status=exc.status_code, code=codes.get(exc.status_code))
+    response = error_response(info)
+    for key, value in (exc.headers or {}).items():
+        response.headers[key] = value
+    return response
+
+
 @app.exception_handler(APIError)
 async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return error_response(exc.info)
@@ -127,14 +145,20 @@ class Router:
         configure(self.config.security, app_name=serve.get_replica_context().app_name)
         self._preprocessor = preprocessor
         self._engine = engine.options(stream=True)
+        self._engine_unary = engine
         self._max_model_len: int | None = None
         tracing.configure(self.config.tracing.exporter)
         self.metrics = RouterMetrics()
         self.serving = OpenAIServing(
             self.config,
             preprocess=lambda request: preprocessor.preprocess.remote(request),
-            generate=lambda request: self._engine.generate.remote(request),  # type: ignore[arg-type,return-value]
+            generate=lambda request: bounded_stream(
+                self._engine.generate.remote(request),
+                assign_timeout_s=self.config.engine_wait_timeout_s,
+                timeout_s=self.config.request_timeout_s,
+            ),
         )
+        batch_api.attach(self.serving, self.config)
 
     async def _with_timeout(self, work: Any) -> Any:
         try:
@@ -148,9 +172,20 @@ class Router:
                 code="timeout",
             ) from exc
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health(self) -> JSONResponse:
-        return JSONResponse({"status": "ok"})
+        """200 when an engine replica confirms its vLLM engine is alive within
+        ``health_timeout_s``; 503 otherwise (none running, restarting, dead, or saturated)."""
+        try:
+            ok = await asyncio.wait_for(
+                self._engine_unary.healthy.remote(), self.config.health_timeout_s
+            )
+        except Exception as exc:  # Timeout, no replica, backpressure: all unhealthy.
+            logger.warning("Health check failed: %r", exc)
+            ok = False
+        if ok:
+            return JSONResponse({"status": "ok"})
+        return error_response(BACKEND_UNAVAILABLE)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models(self) -> ModelList:

@@ -81,7 +81,9 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    priority: int = Field(0, description="vLLM priority: lower values are scheduled first.")
+    priority: int = Field(
+        0, ge=-(2**31), lt=2**31, description="vLLM priority: lower values are scheduled first."
+    )
 
     @field_validator("logit_bias")
     @classmethod

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from serve_app import build_app
 from tests.serve.conftest import MODEL
@@ -21,7 +22,7 @@ LIMITED = "sk-limited-77e2a1c05f3b"
 TOKENS = "sk-tokens-0a9e5d3c2b1f"
 RPM = 6
 OPEN = {"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
-USER = [{"role": "user", "content": "Say hi."}]
+USER: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hi."}]
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +48,9 @@ def secure_url(base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
             "api_keys_file": str(keys),
             "key_rate_limits": {
                 "limited": {"requests_per_minute": RPM},
-                "tokens": {"tokens_per_minute": 200},
+                "tokens": {"tokens_per_minute": 100},
             },
+            "limits": {"max_n": 2, "max_tokens_cap": 64},
         },
     }
     serve.run(build_app(args), name="secure", route_prefix="/secure", blocking=False)
@@ -95,7 +97,7 @@ def test_openai_client_wrong_key_is_authentication_error(secure_url: str) -> Non
         client.models.list()
     assert error.value.code == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
-        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2)  # type: ignore[arg-type]
+        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
     with pytest.raises(openai.AuthenticationError):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
 
@@ -103,20 +105,20 @@ def test_openai_client_wrong_key_is_authentication_error(secure_url: str) -> Non
 def test_openai_client_right_key_works_on_every_route(secure_url: str) -> None:
     client = _client(secure_url, ADMIN)
     assert [m.id for m in client.models.list()] == [MODEL]
-    chat = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4)  # type: ignore[arg-type]
+    chat = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4)
     assert chat.choices[0].message.content
     text = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4)
     assert text.choices[0].text
     stream = client.chat.completions.create(
         model=MODEL,
-        messages=USER,  # type: ignore[arg-type]
+        messages=USER,
         max_tokens=4,
         stream=True,
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     # Keys never reach the app's own errors: a bad request with a good key is a plain 400.
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=MODEL, messages=USER, temperature=9)  # type: ignore[arg-type]
+        client.chat.completions.create(model=MODEL, messages=USER, temperature=9)
 
 
 def test_rate_limit_holds_across_two_router_replicas(secure_url: str) -> None:
@@ -124,14 +126,14 @@ def test_rate_limit_holds_across_two_router_replicas(secure_url: str) -> None:
     from ray import serve
 
     routers = serve.status().applications["secure"].deployments["Router"].replica_states
-    assert routers.get("RUNNING") == 2, routers
+    assert sum(n for state, n in routers.items() if state == "RUNNING") == 2, routers
     # One limiter for the whole app, whichever replica created it.
     assert ray.get_actor("serve_app_rate_limiter.secure", namespace="serve_app")
     client = _client(secure_url, LIMITED)
 
     def one(_: int) -> int | str:
         try:
-            client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1)  # type: ignore[arg-type]
+            client.chat.completions.create(model=MODEL, messages=USER, max_tokens=1)
             return 200
         except openai.RateLimitError as exc:
             assert exc.code == "rate_limit_exceeded"
@@ -150,8 +152,18 @@ def test_rate_limit_holds_across_two_router_replicas(secure_url: str) -> None:
 
 def test_token_budget_charges_max_tokens_up_front(secure_url: str) -> None:
     client = _client(secure_url, TOKENS)
-    client.completions.create(model=MODEL, prompt="Hi", max_tokens=150)  # 1 + 150 of 200.
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=60)  # 1 + 60 of 100.
     with pytest.raises(openai.RateLimitError) as error:
-        client.completions.create(model=MODEL, prompt="Hi", max_tokens=150)
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=60)
     assert error.value.body["type"] == "tokens"  # type: ignore[index]
     assert int(error.value.response.headers["retry-after"]) >= 1
+
+
+def test_request_limits_apply_through_the_router(secure_url: str) -> None:
+    client = _client(secure_url, ADMIN)
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL, messages=USER, n=3, max_tokens=2)
+    assert (error.value.param, error.value.code) == ("n", "integer_above_max_value")
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=65)
+    assert (error.value.param, error.value.code) == ("max_tokens", "integer_above_max_value")

@@ -1,0 +1,245 @@
+"""The OpenAI Batch API with the official client, on the real engine (SmolLM2 on vLLM CPU).
+
+The Batch API router runs in a standalone FastAPI app over an ``OpenAIServing`` backed by the
+same ``Preprocessor`` and ``VLLMEngine`` the Serve graph uses (no Serve, so it does not depend
+on how serve_app/router.py wires it); the last test checks the Serve app once it is wired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from openai import BadRequestError, NotFoundError, OpenAI
+
+from serve_app import batch_api
+from serve_app.batch_store import BatchStore
+from serve_app.config import AppConfig
+from serve_app.errors import APIError, ErrorInfo
+from serve_app.messages import EngineRequest, EngineStep, PreprocessRequest, PreprocessResult
+from serve_app.serving import OpenAIServing
+
+MODEL = "smollm2-135m-instruct"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def batch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    import os
+
+    import uvicorn
+
+    from serve_app.batch.__main__ import app_config
+    from serve_app.engine import VLLMEngine
+    from serve_app.models import resolve_model
+    from serve_app.preprocess import Preprocessor
+
+    config: AppConfig = app_config(str(ROOT / "serve_config.cpu.yaml"))
+    config.engine.kv_cache_space_gib = 1
+    os.environ.update(config.engine.runtime_env_vars())
+    path = resolve_model(MODEL)
+    preprocessor = Preprocessor(config, path)
+    engine = VLLMEngine(config, path)
+
+    async def preprocess(request: PreprocessRequest) -> PreprocessResult:
+        return (await asyncio.to_thread(preprocessor.preprocess_batch, [request]))[0]
+
+    async def generate(request: EngineRequest) -> AsyncIterator[EngineStep | ErrorInfo]:
+        async for step in engine.generate(request):
+            yield step
+
+    serving = OpenAIServing(config, preprocess, generate)
+    root = tmp_path_factory.mktemp("batches")
+    app = FastAPI()
+    app.include_router(batch_api.router)
+
+    @app.exception_handler(APIError)
+    async def _error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.info.body(), status_code=exc.info.status)
+
+    batch_api.attach(serving, config, root)
+    port = _port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", root
+    server.should_exit = True
+    thread.join(timeout=10)
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def bclient(batch_server: tuple[str, Path]) -> OpenAI:
+    return OpenAI(base_url=f"{batch_server[0]}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def chat_line(custom_id: str, content: str, **body: Any) -> dict[str, Any]:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 6,
+            "temperature": 0,
+        }
+        | body,
+    }
+
+
+def jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(line) + "\n" for line in lines).encode()
+
+
+def wait_done(client: OpenAI, batch_id: str, timeout: float = 300) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "cancelled", "expired"):
+            return batch
+        assert time.monotonic() < deadline, f"batch still {batch.status}"
+        time.sleep(0.5)
+
+
+def by_custom_id(client: OpenAI, file_id: str | None) -> dict[str, dict[str, Any]]:
+    if file_id is None:
+        return {}
+    text = client.files.content(file_id).text
+    lines = [json.loads(line) for line in text.splitlines()]
+    assert len({line["custom_id"] for line in lines}) == len(lines)
+    return {line["custom_id"]: line for line in lines}
+
+
+def test_batch_end_to_end(bclient: OpenAI) -> None:
+    lines = [chat_line(f"q-{i}", f"Say the number {i}.") for i in range(8)]
+    lines.append(chat_line("bad-model", "hi", model="nope"))
+    lines.append(chat_line("bad-temp", "hi", temperature=-1))
+    upload = bclient.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    assert upload.purpose == "batch" and upload.bytes > 0
+    assert bclient.files.retrieve(upload.id).id == upload.id
+    batch = bclient.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert batch.status in ("validating", "in_progress")
+    done = wait_done(bclient, batch.id)
+    assert done.status == "completed", done
+    assert done.request_counts is not None
+    assert (done.request_counts.total, done.request_counts.completed) == (10, 8)
+    assert done.request_counts.failed == 2
+    outputs = by_custom_id(bclient, done.output_file_id)
+    assert set(outputs) == {f"q-{i}" for i in range(8)}
+    for line in outputs.values():
+        assert line["response"]["status_code"] == 200
+        body = line["response"]["body"]
+        assert body["choices"][0]["message"]["content"]
+        assert 1 <= body["usage"]["completion_tokens"] <= 6
+    errors = by_custom_id(bclient, done.error_file_id)
+    assert errors["bad-model"]["response"]["status_code"] == 404
+    assert errors["bad-model"]["response"]["body"]["error"]["code"] == "model_not_found"
+    assert errors["bad-temp"]["response"]["status_code"] == 400
+    assert bclient.files.delete(upload.id).deleted
+    with pytest.raises(NotFoundError):
+        bclient.files.retrieve(upload.id)
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b'{"custom_id": "a", "url": "/v1/chat/completions", "body": {}}\nnot json\n', "Line 2"),
+        (jsonl([chat_line("a", "x"), chat_line("a", "y")]), "duplicate custom_id"),
+        (jsonl([chat_line("a", "x") | {"url": "/v1/embeddings"}]), "url must be"),
+    ],
+)
+def test_invalid_input_is_a_400(bclient: OpenAI, content: bytes, match: str) -> None:
+    upload = bclient.files.create(file=("in.jsonl", content), purpose="batch")
+    with pytest.raises(BadRequestError, match=match):
+        bclient.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+
+
+def test_completions_endpoint_list_and_cancel(bclient: OpenAI) -> None:
+    line = {
+        "custom_id": "c-1",
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5},
+    }
+    upload = bclient.files.create(file=("c.jsonl", jsonl([line])), purpose="batch")
+    first = bclient.batches.create(
+        input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    assert wait_done(bclient, first.id).status == "completed"
+    slow = [chat_line(f"s-{i}", "Write a long story.", max_tokens=200) for i in range(64)]
+    upload = bclient.files.create(file=("s.jsonl", jsonl(slow)), purpose="batch")
+    second = bclient.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    page = bclient.batches.list(limit=1)
+    assert [b.id for b in page.data] == [second.id] and page.has_more
+    older = bclient.batches.list(limit=1, after=second.id)
+    assert [b.id for b in older.data] == [first.id]
+    assert bclient.batches.cancel(second.id).status == "cancelling"
+    cancelled = wait_done(bclient, second.id, timeout=60)
+    assert cancelled.status == "cancelled"
+    assert cancelled.request_counts is not None and cancelled.request_counts.completed < 64
+
+
+def test_resume_after_restart(bclient: OpenAI, batch_server: tuple[str, Path]) -> None:
+    """A batch left in_progress with partial output finishes the rest once, on attach."""
+    _, root = batch_server
+    lines = [chat_line(f"r-{i}", f"Count to {i}.") for i in range(4)]
+    store = BatchStore(root)
+    upload = store.create_file(jsonl(lines), "r.jsonl", "batch")
+    batch = {
+        "id": "batch-resume",
+        "object": "batch",
+        "endpoint": "/v1/chat/completions",
+        "input_file_id": upload["id"],
+        "completion_window": "24h",
+        "status": "in_progress",
+        "created_at": int(time.time()),
+        "request_counts": {"total": 4, "completed": 1, "failed": 0},
+    }
+    store.save_batch(batch)
+    earlier = {"id": "x", "custom_id": "r-0", "response": {"status_code": 200, "body": {}}}
+    store.append_partial("batch-resume", "output", earlier)
+    with store.partial_path("batch-resume", "output").open("a") as handle:
+        handle.write('{"torn line')  # the crash happened mid-write
+    old = batch_api._service
+    assert old is not None
+    batch_api.attach(old.serving, old.config, root)  # a restarted router replica
+    done = wait_done(bclient, "batch-resume")
+    assert done.status == "completed"
+    outputs = by_custom_id(bclient, done.output_file_id)
+    assert set(outputs) == {"r-0", "r-1", "r-2", "r-3"} and outputs["r-0"]["id"] == "x"
+
+
+def test_wired_into_the_serve_app(base_url: str, client: OpenAI) -> None:
+    if httpx.get(f"{base_url}/v1/batches", timeout=30).status_code == 404:
+        pytest.skip("batch_api is not wired into serve_app/router.py yet")
+    upload = client.files.create(file=("in.jsonl", jsonl([chat_line("w", "Hi")])), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = wait_done(client, batch.id)
+    assert done.status == "completed" and set(by_custom_id(client, done.output_file_id)) == {"w"}
