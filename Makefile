@@ -6,6 +6,7 @@ PIP := $(PY) -m pip
 # Re-install only when the dependency list changes (a second `make test` installs nothing).
 STAMP := $(VENV)/.installed
 CONFIG ?= serve_config.cpu.yaml
+BENCH_ARGS ?=
 
 .PHONY: install models serve test test-unit test-serve test-cluster lint bench gpu-check clean
 
@@ -46,7 +47,7 @@ lint: install
 	$(PY) -m cluster.sync_manifest --check
 
 bench: models
-	$(PY) -m loadtest.throughput --config $(CONFIG)
+	$(PY) -m loadtest.bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

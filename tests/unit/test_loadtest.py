@@ -1,0 +1,250 @@
+"""Load-test harness logic: no Ray, no server, no engine."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loadtest import report, shapes, suite, workloads
+from loadtest.client import RequestRecord, percentile
+from loadtest.stats import SLO, ratio, summarize
+from loadtest.targets import vllm_cli_flags
+
+
+def rec(ttft: float, latency: float, tokens: int, ok: bool = True) -> RequestRecord:
+    return RequestRecord(ok, 200 if ok else 500, ttft_s=ttft, latency_s=latency,
+                         output_tokens=tokens, itl_s=[0.01] * max(tokens - 1, 0))  # fmt: skip
+
+
+def test_percentile_interpolates_and_handles_edges() -> None:
+    assert math.isnan(percentile([], 50))
+    assert percentile([3.0], 99) == 3.0
+    values = [float(v) for v in range(1, 101)]  # 1..100
+    assert percentile(values, 50) == pytest.approx(50.5)
+    assert percentile(values, 90) == pytest.approx(90.1)
+    assert percentile(values, 99) == pytest.approx(99.01)
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 100.0
+    assert percentile([5.0, 1.0, 3.0], 50) == 3.0  # unsorted input
+
+
+def test_tpot_excludes_first_token() -> None:
+    assert rec(0.5, 1.5, 11).tpot_s == pytest.approx(0.1)
+    assert rec(0.5, 0.5, 1).tpot_s == 0.0
+    assert RequestRecord.from_dict(rec(0.5, 1.5, 11).to_dict()).tpot_s == pytest.approx(0.1)
+
+
+def test_summary_throughput_goodput_and_failures() -> None:
+    records = [
+        rec(0.2, 0.2 + 0.05 * 9, 10),  # good: TTFT 0.2 s, TPOT 50 ms
+        rec(1.5, 1.5 + 0.05 * 9, 10),  # TTFT over 1 s
+        rec(0.2, 0.2 + 0.2 * 9, 10),  # TPOT 200 ms over 100 ms
+        rec(0.0, 0.1, 0, ok=False),
+    ]
+    records[3].error = "boom"
+    s = summarize(records, wall_s=2.0)
+    assert (s["requests"], s["ok"], s["failed"]) == (4, 3, 1)
+    assert s["output_tokens"] == 30
+    assert s["output_tok_per_s"] == pytest.approx(15.0)
+    assert s["req_per_s"] == pytest.approx(1.5)
+    assert s["goodput_req_per_s"] == pytest.approx(0.5)
+    assert s["goodput_fraction"] == pytest.approx(0.25)
+    assert s["errors"] == {"500: boom": 1}
+    assert s["ttft_s"]["p50"] == pytest.approx(0.2)
+    assert s["itl_s"]["p50"] == pytest.approx(0.01)
+    # Looser SLOs make every successful request good.
+    loose = summarize(records, wall_s=2.0, slo=SLO(ttft_s=2.0, tpot_s=0.5))
+    assert loose["goodput_req_per_s"] == pytest.approx(1.5)
+    assert loose["slo"] == {"ttft_s": 2.0, "tpot_s": 0.5}
+
+
+def test_ratio_nan_safe() -> None:
+    assert ratio(6.0, 3.0) == 2.0
+    assert math.isnan(ratio(1.0, 0.0))
+    assert math.isnan(ratio(float("nan"), 1.0))
+
+
+def test_poisson_arrivals_seeded_and_bounded() -> None:
+    a = shapes.poisson_arrivals(4.0, 200, seed=7)
+    assert a == shapes.poisson_arrivals(4.0, 200, seed=7)
+    assert a != shapes.poisson_arrivals(4.0, 200, seed=8)
+    assert len(a) == 200 and all(x < y for x, y in itertools.pairwise(a))
+    assert a[-1] / len(a) == pytest.approx(1 / 4.0, rel=0.25)  # mean gap ≈ 1/rate
+    bounded = shapes.poisson_arrivals(4.0, 10_000, seed=7, time_limit_s=5.0)
+    assert 0 < len(bounded) < 10_000 and bounded[-1] < 5.0
+    assert bounded == a[: len(bounded)]  # the same process, cut at the limit
+    with pytest.raises(ValueError):
+        shapes.poisson_arrivals(0, 5, seed=0)
+
+
+def test_batch_plan() -> None:
+    assert shapes.batch_plan(20, 8) == [list(range(8)), list(range(8, 16)), [16, 17, 18, 19]]
+    assert shapes.batch_plan(0, 8) == []
+    with pytest.raises(ValueError):
+        shapes.batch_plan(4, 0)
+
+
+class FakeServer:
+    """Records when each body was sent and how many were in flight; replies after ``delay``."""
+
+    def __init__(self, delay: float = 0.02) -> None:
+        self.delay, self.in_flight, self.peak = delay, 0, 0
+        self.sent: list[tuple[float, int]] = []
+
+    async def send(self, body: dict[str, Any]) -> RequestRecord:
+        self.sent.append((time.perf_counter(), body["i"]))
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        await asyncio.sleep(self.delay * (1 + body["i"] % 3))
+        self.in_flight -= 1
+        return rec(0.001, self.delay, 4)
+
+
+def bodies(n: int) -> list[dict[str, Any]]:
+    return [{"i": i} for i in range(n)]
+
+
+def test_static_batches_wait_for_the_whole_batch() -> None:
+    server = FakeServer()
+    records, wall = asyncio.run(shapes.static_batches(server.send, bodies(20), 8))
+    assert [r.index for r in records] == list(range(20))
+    assert server.peak == 8
+    order = [i for _, i in sorted(server.sent)]
+    # Nothing of batch k+1 is sent before every request of batch k was sent (and finished).
+    assert sorted(order[:8]) == list(range(8)) and sorted(order[8:16]) == list(range(8, 16))
+    starts = {r.index: r.start_s for r in records}
+    ends = {r.index: r.start_s + r.latency_s for r in records}
+    assert min(starts[i] for i in range(8, 16)) >= max(ends[i] for i in range(8)) - 0.02
+    assert wall > 0
+
+
+def test_closed_loop_keeps_concurrency_and_count() -> None:
+    server = FakeServer()
+    records, _ = asyncio.run(shapes.closed_loop(server.send, bodies(30), 4))
+    assert len(records) == 30 and server.peak == 4
+    assert sorted(r.index for r in records) == list(range(30))
+
+
+def test_time_limit_bounds_every_shape() -> None:
+    server = FakeServer(delay=0.05)
+    records, wall = asyncio.run(shapes.closed_loop(server.send, bodies(1000), 2, 0.2))
+    assert 0 < len(records) < 1000 and wall < 1.0
+    records, _ = asyncio.run(shapes.open_loop(server.send, bodies(1000), 50.0, 1, 0.3))
+    assert 0 < len(records) < 1000
+    records, _ = asyncio.run(shapes.static_batches(server.send, bodies(1000), 8, 0.2))
+    assert 0 < len(records) < 1000 and len(records) % 8 == 0
+
+
+def test_open_loop_follows_seeded_arrivals() -> None:
+    server = FakeServer(delay=0.01)
+    records, _ = asyncio.run(shapes.open_loop(server.send, bodies(10), 40.0, seed=3))
+    expected = shapes.poisson_arrivals(40.0, 10, seed=3)
+    assert len(records) == 10
+    for r, offset in zip(records, expected, strict=True):
+        assert r.start_s == pytest.approx(offset, abs=0.05)
+
+
+@pytest.mark.parametrize("name", sorted(workloads.WORKLOADS))
+def test_workloads_are_seeded_chat_bodies(name: str) -> None:
+    a = workloads.build(name, "m", 5, 16, seed=1)
+    assert a == workloads.build(name, "m", 5, 16, seed=1)
+    assert len(a) == 5 and all(b["model"] == "m" and b["max_tokens"] == 16 for b in a)
+    assert all(b["messages"][-1]["role"] == "user" for b in a)
+    json.dumps(a)
+
+
+def test_workload_specifics() -> None:
+    s = workloads.build("sentiment", "m", 2, 32, 0)[0]
+    assert s["response_format"]["type"] == "json_schema"
+    assert len(workloads.build("contracts", "m", 100, 8, 0)) == 100
+    shared = workloads.build("shared_prefix", "m", 3, 8, 0)
+    assert len({b["messages"][0]["content"] for b in shared}) == 1
+    assert len(workloads.build("longdoc", "m", 1, 8, 0)[0]["messages"][0]["content"]) > 5000
+    assert all(b["ignore_eos"] for b in workloads.build("random", "m", 3, 8, 0))
+    with pytest.raises(ValueError):
+        workloads.build("nope", "m", 1, 1, 0)
+
+
+def test_suites_are_bounded() -> None:
+    for name, make in suite.SUITES.items():
+        phases = make([1, 8, 32, 64, 128], [1.0, 4.0])
+        assert {p.group for p in phases} == {"sweep", "modes", "scenario", "open"}, name
+        assert all(p.requests > 0 and p.time_limit_s > 0 for p in phases)
+    default = suite.default_suite([1, 8, 32, 64, 128], [1.0])
+    assert [p.name for p in default[:2]] == ["closed c=1", "closed c=64"]
+    assert all(p.max_tokens <= 64 for p in default)
+
+
+def test_run_phases_skips_after_budget() -> None:
+    server = FakeServer(delay=0.01)
+    phases = [
+        suite.Phase("a", "sweep", "random", "closed", 2, 4, 8, 5),
+        suite.Phase("b", "sweep", "random", "closed", 2, 4, 8, 5),
+    ]
+
+    async def send(body: dict[str, Any]) -> RequestRecord:
+        await asyncio.sleep(0.3)
+        return rec(0.01, 0.3, 8)
+
+    out = asyncio.run(suite.run_phases(send, phases, "m", 0, budget_s=1.5))
+    assert len(out[0]["records"]) >= 2 and out[1]["skipped"]
+    del server
+
+
+def test_vllm_cli_flags() -> None:
+    flags = vllm_cli_flags(
+        {"model": "/m", "enable_prefix_caching": False, "enforce_eager": True,
+         "max_num_seqs": 8, "structured_outputs_config": {"backend": "xgrammar"}}
+    )  # fmt: skip
+    assert flags == ["--model", "/m", "--no-enable-prefix-caching", "--enforce-eager",
+                     "--max-num-seqs", "8", "--structured-outputs-config",
+                     '{"backend": "xgrammar"}']  # fmt: skip
+
+
+def synthetic_results() -> dict[str, Any]:
+    def phase(name: str, group: str, value: float, ttft: float, tokens: int) -> dict[str, Any]:
+        records = [rec(ttft * (1 + i / 10), 1.0 + i / 10, tokens) for i in range(10)]
+        return {"name": name, "group": group, "shape": "closed", "value": value,
+                "records": [r.to_dict() for r in records], "wall_s": 2.0,
+                "summary": summarize(records, 2.0)}  # fmt: skip
+
+    def target(scale: float) -> dict[str, Any]:
+        return {"status": "ok", "startup_s": 30.0, "phases": [
+            phase("closed c=1", "sweep", 1, 0.05 * scale, 16),
+            phase("closed c=64", "sweep", 64, 0.4 * scale, int(64 / scale)),
+            phase("single request", "modes", 1, 0.05, 16),
+            phase("continuous c=64", "modes", 64, 0.3, 160),
+            phase("poisson 2/s", "open", 2, 0.1, 16),
+        ]}  # fmt: skip
+
+    return {
+        "meta": {"started": "t", "suite": "default", "model": "m", "seed": 0,
+                 "slo": {"ttft_s": 1.0, "tpot_s": 0.1}},
+        "targets": {"ours": target(1.25), "vllm": target(1.0), "asyncllm": target(0.8),
+                    "rayllm": {"status": "failed: x", "phases": []}},
+    }  # fmt: skip
+
+
+def test_report_writes_markdown_png_json(tmp_path: Path) -> None:
+    results = synthetic_results()
+    files = report.write(results, tmp_path / "out")
+    for key in ("json", "markdown", "throughput_vs_concurrency", "ttft_cdf", "latency_vs_load"):
+        assert files[key].exists() and files[key].stat().st_size > 0, key
+    assert files["throughput_vs_concurrency"].read_bytes()[:4] == b"\x89PNG"
+    md = files["markdown"].read_text()
+    assert "| ours | closed c=64 |" in md and "failed: x" in md
+    data = json.loads(files["json"].read_text())
+    r = data["ratios"]
+    assert r["ours continuous c=64 / single-request tok/s (contracts)"] == pytest.approx(10.0)
+    assert r["ours / vllm serve tok/s at c=64"] == pytest.approx(51 / 64)
+    assert r["ours - AsyncLLM TTFT p50 at c=1 (ms)"] > 0
+    assert r["ours / ray.serve.llm TTFT p50 at c=1"] is None or math.isnan(
+        r["ours / ray.serve.llm TTFT p50 at c=1"]
+    )
