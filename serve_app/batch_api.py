@@ -22,12 +22,16 @@ from serve_app.batch.service import ENDPOINTS, BatchService, parse_input
 from serve_app.batch_store import BatchStore, new_id
 from serve_app.config import AppConfig
 from serve_app.errors import APIError
+from serve_app.protocol import ErrorResponse
 from serve_app.serving import OpenAIServing
 
 __all__ = ["ENDPOINTS", "BatchService", "attach", "parse_input", "router", "service"]
 
 
-router = APIRouter()
+# Documented error statuses (OpenAI's error body), so clients and schema checks know them.
+router = APIRouter(
+    responses={code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
+)
 
 
 class BatchCreate(BaseModel):

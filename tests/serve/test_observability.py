@@ -82,10 +82,22 @@ def _sample(text: str, name: str, **labels: str) -> float:
     return total
 
 
+def _stable_sample(name: str, **labels: str) -> float:
+    """The value once earlier tests' requests have all been exported (Ray reports periodically)."""
+    value, deadline = _sample(_metrics_text(), name, **labels), time.monotonic() + 60
+    while time.monotonic() < deadline:
+        time.sleep(6)
+        again = _sample(_metrics_text(), name, **labels)
+        if again == value:
+            return value
+        value = again
+    return value
+
+
 def test_prometheus_export_moves_with_traffic(client: OpenAI) -> None:
     counter = "ray_serve_app_requests_total"
     labels = {"route": "/v1/completions", "status": "200"}
-    before = _sample(_metrics_text(), counter, **labels)
+    before = _stable_sample(counter, **labels)
     sent = 5
     for i in range(sent):
         client.completions.create(model=MODEL, prompt=f"Number {i}:", max_tokens=3)
