@@ -52,7 +52,7 @@ async def chat_completion(
     request_id = serving.new_request_id("chatcmpl")
     preprocess = to_preprocess_request(request, serving, request_id, stats.trace_context)
     prepared = await serving.prepare(preprocess, request.priority, stats)
-    steps = serving.steps(prepared)
+    steps = serving.steps(prepared, stream=request.stream)
     if not request.stream:
         return await _collect(serving, prepared, steps, request)
     # Wait for the first engine step before answering, so engine errors get a real status.

@@ -41,7 +41,7 @@ async def completion(
     request_id = serving.new_request_id("cmpl")
     preprocess = to_preprocess_request(request, serving, request_id, stats.trace_context)
     prepared = await serving.prepare(preprocess, request.priority, stats)
-    steps = serving.steps(prepared)
+    steps = serving.steps(prepared, stream=request.stream)
     if not request.stream:
         return await _collect(serving, prepared, steps, request)
     first = await anext(steps)

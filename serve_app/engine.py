@@ -103,7 +103,8 @@ def to_sampling_params(request: EngineRequest) -> SamplingParams:
         ignore_eos=spec.ignore_eos,
         skip_special_tokens=spec.skip_special_tokens,
         structured_outputs=structured,
-        output_kind=RequestOutputKind.DELTA,
+        # Non-streaming callers need only the end result: one message instead of one per step.
+        output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
     )
 
 

@@ -98,6 +98,8 @@ class EngineRequest:
     sampling: SamplingSpec
     priority: int = 0
     trace_context: dict[str, str] = field(default_factory=dict)
+    # False: the engine sends one final step instead of one per token (fewer hops per token).
+    stream: bool = True
 
 
 @dataclass(frozen=True)

@@ -123,8 +123,13 @@ class OpenAIServing:
     def new_request_id(prefix: str) -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
 
-    async def steps(self, prepared: Prepared) -> AsyncIterator[tuple[int, EngineStep]]:
-        """Engine steps of every prompt as (prompt index, step), interleaved as they come."""
+    async def steps(
+        self, prepared: Prepared, *, stream: bool = True
+    ) -> AsyncIterator[tuple[int, EngineStep]]:
+        """Engine steps of every prompt as (prompt index, step), interleaved as they come.
+
+        ``stream=False`` asks the engine for one final step per prompt.
+        """
         sampling = prepared.result.sampling
         assert sampling is not None
         requests = [
@@ -134,6 +139,7 @@ class OpenAIServing:
                 sampling=sampling,
                 priority=prepared.priority,
                 trace_context=prepared.stats.trace_context,
+                stream=stream,
             )
             for i, prompt in enumerate(prepared.prompts)
         ]
