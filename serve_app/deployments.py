@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ray import serve
@@ -31,17 +32,32 @@ def timeout_error(timeout_s: float) -> APIError:
     )
 
 
+def _overloaded(exc: BackPressureError) -> APIError:
+    return APIError(
+        f"The model backend is at capacity ({exc.message.rstrip('.')}); retry shortly.",
+        status=exc.status_code,
+        type="server_error",
+        code="overloaded",
+    )
+
+
 async def bounded_stream(
-    response: Any, *, assign_timeout_s: float, timeout_s: float
+    call: Callable[[], Any], *, assign_timeout_s: float, timeout_s: float
 ) -> AsyncIterator[Any]:
-    """Items of a streaming handle call (``DeploymentResponseGenerator``), bounded twice.
+    """Items of a streaming handle call (``call()`` returns a ``DeploymentResponseGenerator``),
+    bounded twice.
 
     No replica takes the call within ``assign_timeout_s`` (none running, or all full): 503
-    ``backend_unavailable``. The whole stream past ``timeout_s``: 504 ``timeout``. Whenever
-    the stream does not run to its end (bound hit, consumer gone), the call is cancelled, so
-    the engine aborts the vLLM request.
+    ``backend_unavailable``; the handle's queue is full: 503/429 ``overloaded`` (never Serve's
+    raw BackPressureError, which its proxy would answer in plain text). The whole stream past
+    ``timeout_s``: 504 ``timeout``. Whenever the stream does not run to its end (bound hit,
+    consumer gone), the call is cancelled, so the engine aborts the vLLM request.
     """
     deadline = time.monotonic() + timeout_s
+    try:
+        response = call()
+    except BackPressureError as exc:
+        raise _overloaded(exc) from None
     done = False
     try:
         # Private Serve API (2.60): resolves once a replica accepted the call.
@@ -49,13 +65,6 @@ async def bounded_stream(
         if assigned is not None:
             try:
                 await asyncio.wait_for(assigned(), min(assign_timeout_s, timeout_s))
-            except BackPressureError as exc:
-                raise APIError(
-                    f"The model backend is at capacity ({exc.message}); retry shortly.",
-                    status=exc.status_code,
-                    type="server_error",
-                    code="overloaded",
-                ) from None
             except TimeoutError:
                 raise APIError(
                     f"No model replica accepted the request within {assign_timeout_s:g} s "
@@ -76,9 +85,14 @@ async def bounded_stream(
             except TimeoutError:
                 raise timeout_error(timeout_s) from None
             yield item
+    except BackPressureError as exc:
+        raise _overloaded(exc) from None
     finally:
         if not done:
-            response.cancel()
+            # Serve's cancel() re-raises a failed assignment (e.g. BackPressureError): that
+            # must not replace the error already being raised.
+            with contextlib.suppress(Exception):
+                response.cancel()
 
 
 @serve.deployment(name="Preprocessor")

@@ -14,12 +14,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry.trace import Span, SpanKind
 from pydantic import BaseModel
 from ray import serve
+from ray.exceptions import RayError
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app import batch_api, chat, completions, tracing
 from serve_app.config import AppConfig
-from serve_app.deployments import bounded_stream
+from serve_app.deployments import bounded_stream, timeout_error
 from serve_app.errors import BACKEND_UNAVAILABLE, APIError, ErrorInfo, backend_error
 from serve_app.messages import PreprocessRequest, SamplingSpec
 from serve_app.metrics import RouterMetrics
@@ -116,6 +118,10 @@ async def _api_error(_: Request, exc: APIError) -> JSONResponse:
     return error_response(exc.info)
 
 
+# Ray/Serve failures get handlers of their own: Starlette re-raises what reaches the catch-all
+# `Exception` handler, and Serve's proxy then answers a BackPressureError in plain text.
+@app.exception_handler(RayError)
+@app.exception_handler(RayServeException)
 @app.exception_handler(Exception)
 async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     info = backend_error(exc)
@@ -153,7 +159,7 @@ class Router:
             self.config,
             preprocess=lambda request: preprocessor.preprocess.remote(request),
             generate=lambda request: bounded_stream(
-                self._engine.generate.remote(request),
+                lambda: self._engine.generate.remote(request),
                 assign_timeout_s=self.config.engine_wait_timeout_s,
                 timeout_s=self.config.request_timeout_s,
             ),
@@ -164,13 +170,7 @@ class Router:
         try:
             return await asyncio.wait_for(work, self.config.request_timeout_s)
         except TimeoutError as exc:
-            raise APIError(
-                f"The request took longer than {self.config.request_timeout_s:g} s and was "
-                "aborted; lower max_tokens or raise request_timeout_s.",
-                status=504,
-                type="server_error",
-                code="timeout",
-            ) from exc
+            raise timeout_error(self.config.request_timeout_s) from exc
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health(self) -> JSONResponse:
