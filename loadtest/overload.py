@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from ray import serve
 
     from serve_app.config import AppConfig
-    from serve_app.launch import load_serve_config
+    from serve_app.launch import init_local_ray, load_serve_config
 
     app_args = load_serve_config(ROOT / args.config)["applications"][0].get("args") or {}
     model = AppConfig.model_validate(app_args).model.public_name
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         "ignore_eos": True,
         "messages": [{"role": "user", "content": "Describe the sea in a few sentences."}],
     }
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    init_local_ray([app_args], dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     base = f"http://127.0.0.1:{args.port}"
     rates = [float(r) for r in args.rates.split(",")]

@@ -10,6 +10,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
+from serve_app import cpu_pinning
 from serve_app.config import AppConfig
 from serve_app.errors import APIError
 from serve_app.messages import EngineChunk, EngineRequest, EngineStep, TokenLogprob, TopLogprob
@@ -158,10 +159,12 @@ class VLLMEngine:
 
         kwargs = dict(args)
         structured = StructuredOutputsConfig(**kwargs.pop("structured_outputs_config"))
-        self._llm = AsyncLLM.from_engine_args(
-            AsyncEngineArgs(**kwargs, structured_outputs_config=structured),
-            stat_loggers=_ray_stat_loggers(),
-        )
+        bind = config.engine.cpu_threads_bind if config.engine.resolved_device() == "cpu" else ""
+        with cpu_pinning.engine_isolation(bind):
+            self._llm = AsyncLLM.from_engine_args(
+                AsyncEngineArgs(**kwargs, structured_outputs_config=structured),
+                stat_loggers=_ray_stat_loggers(),
+            )
         self.max_model_len: int = self._llm.model_config.max_model_len
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:

@@ -1,0 +1,36 @@
+"""The core split and the affinity helpers (this process only; no Ray, no vLLM)."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from serve_app import cpu_pinning
+
+
+def test_split_keeps_the_last_core_for_ray() -> None:
+    assert cpu_pinning.split_cores({0, 1}) == ([0], [1])
+    assert cpu_pinning.split_cores([3, 1, 2, 0]) == ([0, 1, 2], [3])
+    assert cpu_pinning.split_cores({5}) is None
+    assert cpu_pinning.core_list([0, 1, 2]) == "0,1,2"
+
+
+def test_children_inherit_the_confined_cores_and_this_thread_gets_its_own_back() -> None:
+    before = os.sched_getaffinity(0)
+    target = [min(before)]
+    seen: list[set[int]] = []
+    with cpu_pinning.inherited_affinity(target):
+        thread = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+        thread.start()
+        thread.join()
+    assert seen == [set(target)]
+    assert os.sched_getaffinity(0) == before
+
+
+def test_engine_isolation_leaves_an_unconfined_process_alone() -> None:
+    before = os.sched_getaffinity(0)
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    for threads_bind in ("auto", "0", "nobind"):
+        with cpu_pinning.engine_isolation(threads_bind):
+            assert os.sched_getaffinity(0) == before
+        assert os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == bind
