@@ -115,6 +115,14 @@ class PreprocessorDeployment:
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01)
     async def preprocess(self, requests: list[PreprocessRequest]) -> list[PreprocessResult]:
+        return await self._preprocess(requests)
+
+    async def preprocess_now(self, request: PreprocessRequest) -> PreprocessResult:
+        """No aggregation window: the router calls this when nothing else it has in flight
+        could join the batch (a lone request would only wait out the window)."""
+        return (await self._preprocess([request]))[0]
+
+    async def _preprocess(self, requests: list[PreprocessRequest]) -> list[PreprocessResult]:
         started_ns = time.time_ns()
         self.metrics.record(len(requests), [(started_ns - r.sent_at_ns) / 1e9 for r in requests])
         # Tokenizing a batch takes milliseconds of CPU: keep the replica's event loop free.

@@ -23,7 +23,7 @@ from serve_app import batch_api, chat, completions, tracing
 from serve_app.config import AppConfig
 from serve_app.deployments import bounded_stream, timeout_error
 from serve_app.errors import BACKEND_UNAVAILABLE, APIError, ErrorInfo, backend_error
-from serve_app.messages import PreprocessRequest, SamplingSpec
+from serve_app.messages import PreprocessRequest, PreprocessResult, SamplingSpec
 from serve_app.metrics import RouterMetrics
 from serve_app.middleware import SecurityMiddleware, configure
 from serve_app.protocol import (
@@ -153,11 +153,12 @@ class Router:
         self._engine = engine.options(stream=True)
         self._engine_unary = engine
         self._max_model_len: int | None = None
+        self._preprocessing = 0  # Preprocess calls in flight from this replica.
         tracing.configure(self.config.tracing.exporter)
         self.metrics = RouterMetrics()
         self.serving = OpenAIServing(
             self.config,
-            preprocess=lambda request: preprocessor.preprocess.remote(request),
+            preprocess=self._preprocess,
             generate=lambda request: bounded_stream(
                 lambda: self._engine.generate.remote(request),
                 assign_timeout_s=self.config.engine_wait_timeout_s,
@@ -165,6 +166,16 @@ class Router:
             ),
         )
         batch_api.attach(self.serving, self.config)
+
+    async def _preprocess(self, request: PreprocessRequest) -> PreprocessResult:
+        # The @serve.batch window only pays off when other requests can join it.
+        alone = self._preprocessing == 0
+        self._preprocessing += 1
+        try:
+            method = self._preprocessor.preprocess_now if alone else self._preprocessor.preprocess
+            return await method.remote(request)
+        finally:
+            self._preprocessing -= 1
 
     async def _with_timeout(self, work: Any) -> Any:
         try:
