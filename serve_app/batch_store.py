@@ -27,8 +27,17 @@ def default_root() -> Path:
     return cache_dir() / "batches"
 
 
+_last_stamp = [0]
+_stamp_lock = threading.Lock()
+
+
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{secrets.token_hex(12)}"
+    """Ids sort in creation order (a strictly increasing µs stamp first, then randomness), so
+    objects created within one second still list newest first."""
+    with _stamp_lock:
+        _last_stamp[0] = max(time.time_ns() // 1000, _last_stamp[0] + 1)
+        stamp = _last_stamp[0]
+    return f"{prefix}-{stamp:014x}{secrets.token_hex(5)}"
 
 
 class BatchStore:

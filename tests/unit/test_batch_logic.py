@@ -168,3 +168,16 @@ def test_batch_store_files_pagination_and_partials(tmp_path: Path) -> None:
     out = store.finish_partial("batch-1", "output", "batch_output")
     assert out is not None and store.file_content(out).count(b"\n") == 2
     assert store.delete_file(file["id"]) and store.get_file(file["id"]) is None
+
+
+def test_batches_made_in_one_second_list_newest_first(tmp_path: Path) -> None:
+    from serve_app.batch_store import BatchStore, new_id
+
+    store = BatchStore(tmp_path)
+    made = [new_id("batch") for _ in range(50)]
+    for batch_id in made:
+        store.save_batch({"id": batch_id, "created_at": 100, "status": "completed"})
+    page, more = store.list_batches(None, 3)
+    assert [b["id"] for b in page] == made[::-1][:3] and more
+    page, _ = store.list_batches(page[-1]["id"], 100)
+    assert [b["id"] for b in page] == made[::-1][3:]
