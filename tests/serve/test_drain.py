@@ -1,0 +1,85 @@
+"""Graceful shutdown: deleting an app mid-generation lets in-flight requests finish in full."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from typing import Any
+
+import httpx
+
+from tests.serve.conftest import MODEL
+from tests.serve.test_scale_survive import SURVIVE, _deploy
+
+MAX_TOKENS = 96
+DRAIN: dict[str, Any] = {
+    name: SURVIVE[name] | {"graceful_shutdown_timeout_s": 120}
+    for name in ("engine", "router", "preprocessor")
+}
+
+
+def _body(i: int, stream: bool) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": stream,
+        "stream_options": {"include_usage": True} if stream else None,
+        "messages": [{"role": "user", "content": f"Tell a long story about ship {i}."}],
+    }
+
+
+async def _stream(http: httpx.AsyncClient, url: str, i: int, started: asyncio.Event) -> Any:
+    """(finish reason, completion tokens, saw [DONE]) of one streamed answer."""
+    finish, tokens, done = None, 0, False
+    async with http.stream("POST", f"{url}/v1/chat/completions", json=_body(i, True)) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                started.set()
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                for choice in chunk.get("choices") or []:
+                    finish = choice.get("finish_reason") or finish
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+    return finish, tokens, done
+
+
+async def _plain(http: httpx.AsyncClient, url: str, i: int) -> Any:
+    r = await http.post(f"{url}/v1/chat/completions", json=_body(i, False))
+    assert r.status_code == 200, r.text
+    data = r.json()
+    return data["choices"][0]["finish_reason"], data["usage"]["completion_tokens"], True
+
+
+def test_delete_drains_in_flight_requests(base_url: str) -> None:
+    from ray import serve
+
+    url = _deploy(base_url, "drain", DRAIN)
+    deleted = threading.Event()
+
+    async def run() -> tuple[list[Any], float]:
+        async with httpx.AsyncClient(timeout=300) as http:
+            events = [asyncio.Event() for _ in range(3)]
+            tasks = [asyncio.create_task(_stream(http, url, i, e)) for i, e in enumerate(events)]
+            tasks.append(asyncio.create_task(_plain(http, url, 9)))
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 120)
+            # Every stream is mid-generation: shut the app down under them.
+            begun = time.monotonic()
+            deleter = threading.Thread(target=lambda: (serve.delete("drain"), deleted.set()))
+            deleter.start()
+            results = await asyncio.gather(*tasks)
+            await asyncio.to_thread(deleter.join, 180)
+            return results, time.monotonic() - begun
+
+    results, drained_s = asyncio.run(run())
+    assert deleted.is_set(), "serve.delete did not return"
+    print(f"\ndrain: {len(results)} in-flight requests finished, delete took {drained_s:.0f} s")
+    assert results == [("length", MAX_TOKENS, True)] * len(results), results
+    after = httpx.post(f"{url}/v1/chat/completions", json=_body(0, False), timeout=30)
+    assert after.status_code == 404, "a deleted app still answers"
