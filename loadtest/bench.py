@@ -41,8 +41,8 @@ def smoke_suite(concurrencies: list[int], rates: list[float]) -> list[suite.Phas
 
 
 SUITES = dict(suite.SUITES, smoke=smoke_suite)
-MAX_MINUTES = {"default": 14.0}
-STARTUP_ALLOWANCE_S = 100.0
+MAX_MINUTES = {"default": 14.5}
+STARTUP_ALLOWANCE_S = 75.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-minutes",
         type=float,
         default=None,
-        help="Whole run; shrinks the load budget of later targets (default suite: 14).",
+        help="Whole run; shrinks the load budget of later targets (default suite: 14.5).",
     )
     p.add_argument("--out", default=None, help="Default: results/bench-<UTC timestamp>.")
     # The engine settings every target gets.
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = ns.budget_s
     for i, name in enumerate(targets):
         t0 = time.perf_counter()
-        # Leave each remaining target its start/stop time (~90 s on 2 cores) and a fair share.
+        # Leave each remaining target its start/stop time (~75 s on 2 cores) and a fair share.
         share = (deadline - t0) / (len(targets) - i) - STARTUP_ALLOWANCE_S
         ns.budget_s = max(10.0, min(budget, share))
         result = run_target(name, app, phases, ns.port + i, out, ns)

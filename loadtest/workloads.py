@@ -81,7 +81,7 @@ def _chat(model: str, user: str, max_tokens: int, system: str | None = None) -> 
 
 
 def random_lengths(
-    model: str, count: int, max_tokens: int, seed: int, min_words: int = 16, max_words: int = 256
+    model: str, count: int, max_tokens: int, seed: int, min_words: int = 16, max_words: int = 128
 ) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     out = []
