@@ -81,7 +81,10 @@ def run_ours(corpus: Path, config_path: str | None, batch_size: int) -> Result:
             app_config=app_config(config_path),
             progress=False,
         )
-        summary = run_job(job)
+        summary = run_job(job)  # Starts its own local Ray, as `python -m serve_app.batch` does.
+    import ray
+
+    ray.shutdown()
     return Result("serve_app.batch", summary.rows, summary.completion_tokens, summary.wall_s)
 
 
@@ -112,10 +115,12 @@ def run_vllm(corpus: Path, config_path: str | None) -> Result:
 
 
 def run_ray_data_llm(corpus: Path, config_path: str | None, batch_size: int) -> Result:
+    import ray
     import ray.data
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
-    started = time.perf_counter()
+    started = time.perf_counter()  # Like ours: Ray's start counts.
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     config, args = _engine_env(config_path)
     model = args.pop("model")
     args.pop("served_model_name", None)
@@ -154,9 +159,6 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--skip", nargs="*", default=[], choices=["ours", "vllm", "raydata"])
     args = parser.parse_args()
-    import ray
-
-    ray.init(address="local", include_dashboard=False, log_to_driver=False)
     results: list[Result] = []
     with tempfile.TemporaryDirectory() as tmp:
         corpus = write_corpus(Path(tmp) / "corpus.jsonl", args.rows)

@@ -6,7 +6,9 @@ scheduler process) otherwise competes for those same cores, and every time slice
 stalls a whole engine step. On a single machine ``serve_app.launch`` starts Ray confined to
 the last core (the one vLLM reserves for its scheduler anyway); each engine replica then binds
 its model worker to the cores Ray is not on (``engine_isolation``). Measured on 2 cores:
-+12-15 % output tokens/s at c=32.
++12-15 % output tokens/s at c=32. Offline Ray Data jobs do not split: with short outputs their
+per-row work outside the model (Ray Data, tokenization) is the bottleneck, and one core for all
+of it measured 16 % slower.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import psutil
 
@@ -29,6 +32,16 @@ def split_cores(allowed: set[int] | list[int]) -> tuple[list[int], list[int]] | 
     if len(cores) < 2:
         return None
     return cores[:-1], cores[-1:]
+
+
+def ray_cores(engines: list[Any]) -> list[int] | None:
+    """Cores to start a new single-machine Ray cluster on, when every engine (``EngineConfig``)
+    is a CPU engine bound automatically; None: start Ray on every core as usual."""
+    for engine in engines:
+        if engine.resolved_device() != "cpu" or engine.cpu_threads_bind != "auto":
+            return None
+    split = split_cores(os.sched_getaffinity(0))
+    return split[1] if split else None
 
 
 def core_list(cores: list[int]) -> str:

@@ -87,8 +87,10 @@ def init_local_ray(apps: list[dict[str, Any]], *, dashboard: bool = True) -> Non
     # Its direct ingress keeps a stopping router 30 s for an external load balancer to
     # notice; here Serve's own proxy is the only one, told at once.
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
-    split = _cpu_split(apps)
-    with cpu_pinning.inherited_affinity(split[1]) if split else contextlib.nullcontext():
+    from serve_app.config import AppConfig
+
+    cores = cpu_pinning.ray_cores([AppConfig.model_validate(args).engine for args in apps])
+    with cpu_pinning.inherited_affinity(cores) if cores else contextlib.nullcontext():
         # address="local": always a new local cluster, never one some other process started.
         ray.init(
             address="local",
@@ -96,18 +98,6 @@ def init_local_ray(apps: list[dict[str, Any]], *, dashboard: bool = True) -> Non
             dashboard_host="127.0.0.1",
             log_to_driver=False,
         )
-
-
-def _cpu_split(apps: list[dict[str, Any]]) -> tuple[list[int], list[int]] | None:
-    """On one machine with a CPU engine bound automatically: (model worker cores, cores for
-    Ray and every replica); see ``serve_app.cpu_pinning``."""
-    from serve_app.config import AppConfig
-
-    for args in apps:
-        engine = AppConfig.model_validate(args).engine
-        if engine.resolved_device() != "cpu" or engine.cpu_threads_bind != "auto":
-            return None
-    return cpu_pinning.split_cores(os.sched_getaffinity(0))
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
