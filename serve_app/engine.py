@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from serve_app import cpu_pinning
 from serve_app.config import AppConfig
+from serve_app.engine_watchdog import EngineWatchdog
 from serve_app.errors import APIError
 from serve_app.messages import EngineChunk, EngineRequest, EngineStep, TokenLogprob, TopLogprob
 
@@ -166,12 +167,14 @@ class VLLMEngine:
                 stat_loggers=_ray_stat_loggers(),
             )
         self.max_model_len: int = self._llm.model_config.max_model_len
+        self._watchdog = EngineWatchdog(self._llm)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        self._watchdog.ensure_running()
         params = to_sampling_params(request)
         top_n = request.sampling.logprobs or 0
         stream = self._llm.generate(
