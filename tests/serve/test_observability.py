@@ -83,10 +83,17 @@ def _sample(text: str, name: str, **labels: str) -> float:
 
 
 def _stable_sample(name: str, **labels: str) -> float:
-    """The value once earlier tests' requests have all been exported (Ray reports periodically)."""
-    value, deadline = _sample(_metrics_text(), name, **labels), time.monotonic() + 60
+    """The value once earlier tests' requests have all been exported.
+
+    Ray's workers push metrics every `metrics_report_interval_ms` (10 s by default): two equal
+    readings further apart than that mean nothing recorded before the first one is still unsent.
+    """
+    import ray
+
+    gap_s = ray._config.metrics_report_interval_ms() / 1000 + 2
+    value, deadline = _sample(_metrics_text(), name, **labels), time.monotonic() + 90
     while time.monotonic() < deadline:
-        time.sleep(6)
+        time.sleep(gap_s)
         again = _sample(_metrics_text(), name, **labels)
         if again == value:
             return value
