@@ -2,14 +2,23 @@
 
 Same model, same engine arguments (``serve_app.engine.engine_args``), same prompts and
 per-row max_tokens, measured side by side in one run:
-``python -m loadtest.batch_offline --rows 1000 --config serve_config.cpu.yaml``.
+``python -m loadtest.batch_offline --rows 1000 --config serve_config.cpu.yaml --repeats 3``.
+
+Each target runs in a fresh Python process, timed from its launch to its last output row: what
+a user waits for (imports, Ray and engine start included for every target alike). Repeats
+alternate the targets and the report gives each one's median.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -68,7 +77,7 @@ class Result:
         return self.output_tokens / self.seconds
 
 
-def run_ours(corpus: Path, config_path: str | None, batch_size: int) -> Result:
+def run_ours(corpus: Path, config_path: str | None, batch_size: int, launched: float) -> Result:
     from serve_app.batch import JobConfig, run_job
     from serve_app.batch.__main__ import app_config
 
@@ -82,10 +91,8 @@ def run_ours(corpus: Path, config_path: str | None, batch_size: int) -> Result:
             progress=False,
         )
         summary = run_job(job)  # Starts its own local Ray, as `python -m serve_app.batch` does.
-    import ray
-
-    ray.shutdown()
-    return Result("serve_app.batch", summary.rows, summary.completion_tokens, summary.wall_s)
+    seconds = time.time() - launched
+    return Result("serve_app.batch", summary.rows, summary.completion_tokens, seconds)
 
 
 def _engine_env(config_path: str | None) -> tuple[Any, dict[str, Any]]:
@@ -98,28 +105,27 @@ def _engine_env(config_path: str | None) -> tuple[Any, dict[str, Any]]:
     return config, engine_args(config, resolve_model(config.model.name))
 
 
-def run_vllm(corpus: Path, config_path: str | None) -> Result:
+def run_vllm(corpus: Path, config_path: str | None, launched: float) -> Result:
     from vllm import LLM, SamplingParams
 
-    started = time.perf_counter()
     _, args = _engine_env(config_path)
     rows = [json.loads(line) for line in corpus.read_text().splitlines()]
     llm = LLM(**args)
     messages = [[{"role": "user", "content": row["prompt"]}] for row in rows]
     params = [SamplingParams(max_tokens=row["max_tokens"], temperature=0.0) for row in rows]
     outputs = llm.chat(cast(Any, messages), params, use_tqdm=False)
+    seconds = time.time() - launched
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    seconds = time.perf_counter() - started
-    del llm
     return Result("vllm.LLM.chat", len(rows), tokens, seconds)
 
 
-def run_ray_data_llm(corpus: Path, config_path: str | None, batch_size: int) -> Result:
+def run_ray_data_llm(
+    corpus: Path, config_path: str | None, batch_size: int, launched: float
+) -> Result:
     import ray
     import ray.data
     from ray.data.llm import build_processor, vLLMEngineProcessorConfig
 
-    started = time.perf_counter()  # Like ours: Ray's start counts.
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     config, args = _engine_env(config_path)
     model = args.pop("model")
@@ -148,8 +154,46 @@ def run_ray_data_llm(corpus: Path, config_path: str | None, batch_size: int) -> 
         postprocess=lambda row: {"tokens": len(row.get("generated_tokens") or [])},
     )
     out = processor(ray.data.read_json(str(corpus))).take_all()
-    seconds = time.perf_counter() - started
+    seconds = time.time() - launched
     return Result("ray.data.llm", len(out), sum(r["tokens"] for r in out), seconds)
+
+
+TARGETS = ("ours", "vllm", "raydata")
+
+
+def run_target(name: str, corpus: Path, args: argparse.Namespace) -> Result:
+    """One target in this process (``--target``), timed from ``--launched``."""
+    if name == "ours":
+        return run_ours(corpus, args.config, args.batch_size, args.launched)
+    if name == "vllm":
+        return run_vllm(corpus, args.config, args.launched)
+    return run_ray_data_llm(corpus, args.config, args.batch_size, args.launched)
+
+
+def spawn_target(name: str, corpus: Path, args: argparse.Namespace) -> Result:
+    """Run one target in a fresh interpreter, which writes its Result as JSON next to the corpus."""
+    result_file = corpus.with_name(f"result-{name}.json")
+    result_file.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "loadtest.batch_offline", "--target", name]
+    command += ["--corpus", str(corpus), "--config", args.config, "--result", str(result_file)]
+    command += ["--batch-size", str(args.batch_size), "--launched", repr(time.time())]
+    # Files, not pipes: an engine process that outlives the child must not hold us up.
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile("w+") as err:
+        child = subprocess.Popen(command, stdout=out, stderr=err, start_new_session=True)
+        try:
+            code = child.wait(timeout=args.timeout)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # Its engine and Ray processes too.
+                os.killpg(child.pid, signal.SIGKILL)
+        if not result_file.exists():
+            err.seek(0)
+            raise RuntimeError(f"exit {code}: {err.read().strip()[-2000:]}")
+    return Result(**json.loads(result_file.read_text()))
+
+
+def median_result(runs: list[Result]) -> Result:
+    seconds = statistics.median(r.seconds for r in runs)
+    return Result(runs[0].name, runs[0].rows, runs[0].output_tokens, seconds)
 
 
 def main() -> None:
@@ -157,25 +201,37 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1000)
     parser.add_argument("--config", default="serve_config.cpu.yaml")
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["ours", "vllm", "raydata"])
+    parser.add_argument("--repeats", type=int, default=1, help="alternating runs per target")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per target run")
+    parser.add_argument("--skip", nargs="*", default=[], choices=TARGETS)
+    parser.add_argument("--target", choices=TARGETS, help=argparse.SUPPRESS)
+    parser.add_argument("--corpus", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--launched", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    results: list[Result] = []
+    if args.target:  # A child: run one target, print its Result.
+        result = run_target(args.target, args.corpus, args)
+        args.result.write_text(json.dumps(result.__dict__))
+        return
+    runs: dict[str, list[Result]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         corpus = write_corpus(Path(tmp) / "corpus.jsonl", args.rows)
-        runs = {
-            "ours": lambda: run_ours(corpus, args.config, args.batch_size),
-            "vllm": lambda: run_vllm(corpus, args.config),
-            "raydata": lambda: run_ray_data_llm(corpus, args.config, args.batch_size),
-        }
-        for name, run in runs.items():
-            if name in args.skip:
-                continue
-            try:
-                results.append(run())
-                print(results[-1].line(None), flush=True)
-            except Exception as exc:  # Report and keep measuring the others.
-                print(f"{name}: failed: {type(exc).__name__}: {exc}", flush=True)
-    print("\nwall time includes engine start for every target")
+        for repeat in range(args.repeats):
+            for name in TARGETS:
+                if name in args.skip:
+                    continue
+                try:
+                    result = spawn_target(name, corpus, args)
+                except Exception as exc:  # Report and keep measuring the others.
+                    print(f"{name} (run {repeat + 1}): failed: {exc}", flush=True)
+                    continue
+                runs.setdefault(name, []).append(result)
+                print(f"run {repeat + 1}: {result.line(None)}", flush=True)
+    results = [median_result(r) for r in runs.values()]
+    print(
+        "\nseconds from each process's launch to its last row (imports and engine start "
+        f"included); median of {args.repeats} alternating run(s)"
+    )
     base = next((r for r in results if r.name == "vllm.LLM.chat"), None)
     for result in results:
         print(result.line(base if result is not base else None))

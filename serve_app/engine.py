@@ -149,8 +149,11 @@ def _timings(output: Any) -> tuple[float, float, float, float] | None:
 class VLLMEngine:
     """One vLLM ``AsyncLLM`` in this process (its engine core runs in a child process)."""
 
-    def __init__(self, config: AppConfig, model_path: str) -> None:
+    def __init__(self, config: AppConfig, model_path: str, offline: bool = False) -> None:
+        """``offline``: an offline batch job's engine, whose unset limits get the defaults of
+        vLLM's offline ``LLM`` (e.g. a larger prefill budget per step) instead of its server's."""
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = engine_args(config, model_path)
@@ -165,6 +168,7 @@ class VLLMEngine:
             self._llm = AsyncLLM.from_engine_args(
                 AsyncEngineArgs(**kwargs, structured_outputs_config=structured),
                 stat_loggers=_ray_stat_loggers(),
+                usage_context=UsageContext.LLM_CLASS if offline else UsageContext.OPENAI_API_SERVER,
             )
         self.max_model_len: int = self._llm.model_config.max_model_len
         self._watchdog = EngineWatchdog(self._llm)

@@ -39,6 +39,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--json-schema", help="JSON Schema file: structured output for every row")
     run.add_argument("--concurrency", type=int, default=1, help="engine actors")
     run.add_argument("--batch-size", type=int, default=64, help="rows per engine call")
+    run.add_argument(
+        "--batches-in-flight", type=int, default=3, help="batches one engine actor runs at once"
+    )
     run.add_argument("--config", help="Serve config file whose app args configure the engine")
     run.add_argument("--address", default="local", help="Ray address (default: a new local one)")
     run.add_argument("--no-progress", action="store_true")
@@ -60,6 +63,7 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
         "temperature": args.temperature,
         "concurrency": args.concurrency,
         "batch_size": args.batch_size,
+        "batches_in_flight": args.batches_in_flight,
         "app_config": app_config(args.config),
         "ray_address": args.address,
         "progress": not args.no_progress,

@@ -66,6 +66,9 @@ class JobConfig:
     json_schema: dict[str, Any] | None = None
     concurrency: int = 1
     batch_size: int = 64
+    # Batches one engine actor works on at once: > 1 keeps the engine full through each
+    # batch's tail; unfinished batches are redone on resume, so more in flight = more redone.
+    batches_in_flight: int = 3
     app_config: AppConfig = field(default_factory=AppConfig)
     ray_address: str | None = "local"
     progress: bool = True
@@ -79,8 +82,8 @@ class JobConfig:
             self.prompt_column = "prompt"
         if self.template is not None:
             template_fields(self.template)
-        if self.concurrency < 1 or self.batch_size < 1:
-            raise ValueError("concurrency and batch_size must be at least 1")
+        if min(self.concurrency, self.batch_size, self.batches_in_flight) < 1:
+            raise ValueError("concurrency, batch_size and batches_in_flight must be at least 1")
 
     def structured(self) -> StructuredSpec | None:
         if self.json_schema is None:

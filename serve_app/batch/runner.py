@@ -7,6 +7,7 @@ one part file, so output appears as batches finish and a re-run resumes where it
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -117,7 +118,6 @@ def run_job(job: JobConfig) -> JobSummary:
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
     ds = read_input(job.input)
-    total = max(ds.count() - writer.resumed, 0)
     done = sorted(writer.done_ids)
     todo = ds.map_batches(
         drop_done, batch_format="pyarrow", fn_kwargs={"id_column": job.id_column, "done": done}
@@ -130,10 +130,12 @@ def run_job(job: JobConfig) -> JobSummary:
         fn_constructor_kwargs={"job": job},
         batch_size=job.batch_size,
         batch_format="pyarrow",
-        compute=ray.data.ActorPoolStrategy(size=job.concurrency),
+        compute=ray.data.ActorPoolStrategy(
+            size=job.concurrency, max_concurrent_calls_per_actor=job.batches_in_flight
+        ),
         **actor_options(job),
     )
-    bar = _progress(total, job.progress)
+    bar = _progress(ds, writer.resumed, job.progress)
     try:
         for batch in mapped.iter_batches(batch_size=None, batch_format="pyarrow"):
             written = writer.write(batch.to_pylist())
@@ -160,9 +162,23 @@ def run_job(job: JobConfig) -> JobSummary:
     return summary
 
 
-def _progress(total: int, enabled: bool) -> Any:
+def _progress(ds: Any, resumed: int, enabled: bool) -> Any:
+    """A progress bar whose total arrives when a background count of the input finishes.
+
+    Counting reads the input once more; the engine actors start meanwhile instead of after it.
+    """
     if not enabled:
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="row", desc="batch", dynamic_ncols=True, smoothing=0.1)
+    bar = tqdm(unit="row", desc="batch", dynamic_ncols=True, smoothing=0.1)
+
+    def count() -> None:
+        try:
+            bar.total = max(ds.count() - resumed, 0)
+            bar.refresh()
+        except Exception:  # A bar without a total still shows rows/s.
+            logger.debug("counting the input failed", exc_info=True)
+
+    threading.Thread(target=count, name="count-input", daemon=True).start()
+    return bar

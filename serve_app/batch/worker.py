@@ -2,7 +2,9 @@
 
 ``map_batches`` hands it a batch of input rows; every valid row is tokenized in one
 ``preprocess_batch`` call and all of them run through the engine concurrently (vLLM batches
-them), on an event loop the actor keeps in a background thread.
+them), on an event loop the actor keeps in a background thread. ``__call__`` is a coroutine, so
+Ray Data can hand one actor several batches at once: the next batch's rows join the engine while
+the last rows of the previous one finish, instead of the engine idling through every batch's tail.
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ class EngineWorker:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        self.engine = VLLMEngine(job.app_config, path)
+        self.engine = VLLMEngine(job.app_config, path, offline=True)
 
-    def __call__(self, batch: pa.Table) -> pa.Table:
+    async def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
-        results = asyncio.run_coroutine_threadsafe(self.process(rows), self.loop).result()
+        # The engine lives on its own loop (built with it); Ray Data's loop only waits here.
+        done = asyncio.run_coroutine_threadsafe(self.process(rows), self.loop)
+        results = await asyncio.wrap_future(done)
         return pa.Table.from_pylist(results, schema=OUTPUT_SCHEMA)
 
     async def process(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
