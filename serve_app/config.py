@@ -142,6 +142,12 @@ class EngineConfig(ReplicaConfig):
     )
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prefixes.")
     max_num_seqs: int = Field(256, ge=1, description="Most sequences in one engine step.")
+    interactive_reserved_seqs: int = Field(
+        8,
+        ge=0,
+        description="Of max_num_seqs, slots background requests (priority > 0, e.g. the Batch "
+        "API) never take, so interactive requests start at once under any batch load.",
+    )
     max_num_batched_tokens: int | None = Field(
         None, ge=16, description="Token budget of one engine step (prefill chunking)."
     )

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from serve_app import cpu_pinning
+from serve_app.background_gate import BackgroundGate
 from serve_app.config import AppConfig
 from serve_app.engine_watchdog import EngineWatchdog
 from serve_app.errors import APIError
@@ -172,13 +173,22 @@ class VLLMEngine:
             )
         self.max_model_len: int = self._llm.model_config.max_model_len
         self._watchdog = EngineWatchdog(self._llm)
+        engine = config.engine
+        self._background = BackgroundGate(
+            max(1, engine.max_num_seqs - engine.interactive_reserved_seqs)
+        )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
+        self._watchdog.ensure_running()
+        async with self._background.slot(request.priority):
+            async for step in self._generate(request):
+                yield step
+
+    async def _generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        self._watchdog.ensure_running()
         params = to_sampling_params(request)
         top_n = request.sampling.logprobs or 0
         stream = self._llm.generate(
@@ -223,7 +233,8 @@ class VLLMEngine:
 
     def num_unfinished(self) -> int:
         """Requests the engine still holds (running or waiting)."""
-        return int(self._llm.output_processor.get_num_unfinished_requests())
+        held_back = self._background.waiting
+        return int(self._llm.output_processor.get_num_unfinished_requests()) + held_back
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
