@@ -87,6 +87,7 @@ class EngineWorker:
             request_id=request.request_id,
             prompt_token_ids=result.prompts[0].token_ids,
             sampling=result.sampling,
+            stream=False,  # One final output per row, not one per token (as LLM.generate).
         )
         text: list[str] = []
         tokens, finish = 0, None
