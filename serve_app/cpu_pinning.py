@@ -6,9 +6,9 @@ scheduler process) otherwise competes for those same cores, and every time slice
 stalls a whole engine step. On a single machine ``serve_app.launch`` starts Ray confined to
 the last core (the one vLLM reserves for its scheduler anyway); each engine replica then binds
 its model worker to the cores Ray is not on (``engine_isolation``). Measured on 2 cores:
-+12-15 % output tokens/s at c=32. Offline Ray Data jobs do not split: with short outputs their
-per-row work outside the model (Ray Data, tokenization) is the bottleneck, and one core for all
-of it measured 16 % slower.
++12-15 % output tokens/s at c=32. Offline Ray Data jobs do not split: there vLLM's scheduler
+process busy-polls a core of its own, and putting the Ray Data driver and actor on that same
+core measured 16 % slower.
 """
 
 from __future__ import annotations
@@ -17,9 +17,12 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import psutil
+
+if TYPE_CHECKING:
+    from serve_app.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 # vLLM names its model worker processes so (setproctitle); they keep their OpenMP binding.
@@ -34,9 +37,9 @@ def split_cores(allowed: set[int] | list[int]) -> tuple[list[int], list[int]] | 
     return cores[:-1], cores[-1:]
 
 
-def ray_cores(engines: list[Any]) -> list[int] | None:
-    """Cores to start a new single-machine Ray cluster on, when every engine (``EngineConfig``)
-    is a CPU engine bound automatically; None: start Ray on every core as usual."""
+def ray_cores(engines: list[EngineConfig]) -> list[int] | None:
+    """Cores to start a new single-machine Ray cluster on, when every engine is a CPU engine
+    bound automatically; None: start Ray on every core as usual."""
     for engine in engines:
         if engine.resolved_device() != "cpu" or engine.cpu_threads_bind != "auto":
             return None

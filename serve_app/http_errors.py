@@ -86,9 +86,7 @@ async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
     info = backend_error(exc)
     if info is not None:  # A replica died, is restarting or is full: retryable.
         logger.warning("Backend unavailable: %r", exc)
-        response = error_response(info)
-        response.headers["retry-after"] = "1"
-        return response
+        return error_response(info)  # With retry-after, as every 503.
     logger.exception("Unexpected error")
     return error_response(
         ErrorInfo(
