@@ -105,7 +105,13 @@ def _engine_env(config_path: str | None) -> tuple[Any, dict[str, Any]]:
     return config, engine_args(config, resolve_model(config.model.name))
 
 
-def run_vllm(corpus: Path, config_path: str | None, launched: float) -> Result:
+def run_vllm(
+    corpus: Path, config_path: str | None, launched: float, in_process: bool = False
+) -> Result:
+    """vLLM's offline API as documented; ``in_process``: with its engine core and model worker
+    in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the mode our CPU engine actors use."""
+    if in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
     _, args = _engine_env(config_path)
@@ -116,7 +122,8 @@ def run_vllm(corpus: Path, config_path: str | None, launched: float) -> Result:
     outputs = llm.chat(cast(Any, messages), params, use_tqdm=False)
     seconds = time.time() - launched
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return Result("vllm.LLM.chat", len(rows), tokens, seconds)
+    name = "vllm.LLM.chat" + (" in-process" if in_process else "")
+    return Result(name, len(rows), tokens, seconds)
 
 
 def run_ray_data_llm(
@@ -158,15 +165,15 @@ def run_ray_data_llm(
     return Result("ray.data.llm", len(out), sum(r["tokens"] for r in out), seconds)
 
 
-TARGETS = ("ours", "vllm", "raydata")
+TARGETS = ("ours", "vllm", "vllm-inproc", "raydata")
 
 
 def run_target(name: str, corpus: Path, args: argparse.Namespace) -> Result:
     """One target in this process (``--target``), timed from ``--launched``."""
     if name == "ours":
         return run_ours(corpus, args.config, args.batch_size, args.launched)
-    if name == "vllm":
-        return run_vllm(corpus, args.config, args.launched)
+    if name in ("vllm", "vllm-inproc"):
+        return run_vllm(corpus, args.config, args.launched, in_process=name == "vllm-inproc")
     return run_ray_data_llm(corpus, args.config, args.batch_size, args.launched)
 
 

@@ -203,6 +203,16 @@ class EngineConfig(ReplicaConfig):
             )
         return options
 
+    @field_validator("cpu_threads_bind")
+    @classmethod
+    def _known_binding(cls, value: str) -> str:
+        if value not in ("auto", "nobind"):
+            from serve_app.cpu_pinning import parse_core_list
+
+            for worker_cores in value.split("|"):  # One list per worker: '0-3|4-7'.
+                parse_core_list(worker_cores)
+        return value
+
     @field_validator("block_size")
     @classmethod
     def _power_of_two(cls, value: int | None) -> int | None:

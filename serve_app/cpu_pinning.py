@@ -6,9 +6,10 @@ scheduler process) otherwise competes for those same cores, and every time slice
 stalls a whole engine step. On a single machine ``serve_app.launch`` starts Ray confined to
 the last core (the one vLLM reserves for its scheduler anyway); each engine replica then binds
 its model worker to the cores Ray is not on (``engine_isolation``). Measured on 2 cores:
-+12-15 % output tokens/s at c=32. Offline Ray Data jobs do not split: there vLLM's scheduler
-process busy-polls a core of its own, and putting the Ray Data driver and actor on that same
-core measured 16 % slower.
++12-15 % output tokens/s at c=32. Offline Ray Data jobs do not split: their CPU engines run
+in-process (``serve_app/batch/inproc_engine.py``) with the model on every core; with vLLM's
+separate processes, putting the Ray Data driver and actor on the scheduler's core measured 16 %
+slower.
 """
 
 from __future__ import annotations
@@ -50,6 +51,29 @@ def ray_cores(engines: list[EngineConfig]) -> list[int] | None:
 def core_list(cores: list[int]) -> str:
     """The form VLLM_CPU_OMP_THREADS_BIND takes: '0,1,2'."""
     return ",".join(str(c) for c in cores)
+
+
+def parse_core_list(text: str) -> list[int]:
+    """'0-2,5' -> [0, 1, 2, 5] (VLLM_CPU_OMP_THREADS_BIND's form for one worker)."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        try:
+            low, high = int(first), int(last if dash else first)
+        except ValueError:
+            raise ValueError(f"not a core list: {text!r} (expected e.g. '0-3' or '0,2')") from None
+        if low < 0 or high < low:
+            raise ValueError(f"not a core list: {text!r} (expected e.g. '0-3' or '0,2')")
+        cores.update(range(low, high + 1))
+    return sorted(cores)
+
+
+def in_process_cores(threads_bind: str) -> tuple[list[int], bool]:
+    """(cores, bind) for a model running in this process: an explicit list binds to it;
+    'auto' and 'nobind' use every core this process may run on, unbound."""
+    if threads_bind in ("auto", "nobind"):
+        return sorted(os.sched_getaffinity(0)), False
+    return parse_core_list(threads_bind), True
 
 
 @contextlib.contextmanager

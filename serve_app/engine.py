@@ -129,6 +129,31 @@ def _convert_logprobs(token_ids: Any, logprobs: Any, top_n: int) -> list[TokenLo
     return out
 
 
+def to_engine_step(output: Any, request: EngineRequest) -> EngineStep:
+    """One vLLM ``RequestOutput`` as the message the serving layer and batch jobs consume."""
+    top_n = request.sampling.logprobs or 0
+    chunks = [
+        EngineChunk(
+            index=c.index,
+            text=c.text,
+            token_ids=list(c.token_ids),
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            logprobs=None
+            if c.logprobs is None
+            else _convert_logprobs(c.token_ids, c.logprobs, top_n),
+        )
+        for c in output.outputs
+    ]
+    return EngineStep(
+        chunks=chunks,
+        prompt_tokens=len(request.prompt_token_ids),
+        cached_tokens=output.num_cached_tokens,
+        finished=output.finished,
+        timings=_timings(output) if output.finished else None,
+    )
+
+
 def _ray_stat_loggers() -> list[Any] | None:
     """vLLM's metrics through Ray's metrics API, when running inside a Ray worker."""
     import ray
@@ -190,7 +215,6 @@ class VLLMEngine:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         params = to_sampling_params(request)
-        top_n = request.sampling.logprobs or 0
         stream = self._llm.generate(
             TokensPrompt(prompt_token_ids=request.prompt_token_ids),
             params,
@@ -199,26 +223,7 @@ class VLLMEngine:
         )
         try:
             async for output in stream:
-                chunks = [
-                    EngineChunk(
-                        index=c.index,
-                        text=c.text,
-                        token_ids=list(c.token_ids),
-                        finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
-                        logprobs=None
-                        if c.logprobs is None
-                        else _convert_logprobs(c.token_ids, c.logprobs, top_n),
-                    )
-                    for c in output.outputs
-                ]
-                yield EngineStep(
-                    chunks=chunks,
-                    prompt_tokens=len(request.prompt_token_ids),
-                    cached_tokens=output.num_cached_tokens,
-                    finished=output.finished,
-                    timings=_timings(output) if output.finished else None,
-                )
+                yield to_engine_step(output, request)
         except EngineDeadError as exc:
             raise APIError(
                 f"The engine died ({exc}); the replica is being replaced, retry shortly.",

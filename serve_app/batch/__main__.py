@@ -42,6 +42,13 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--batches-in-flight", type=int, default=3, help="batches one engine actor runs at once"
     )
+    run.add_argument(
+        "--in-process-engine",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM's engine core and model worker inside each engine actor's process "
+        "(default: on single-worker CPU engines)",
+    )
     run.add_argument("--config", help="Serve config file whose app args configure the engine")
     run.add_argument("--address", default="local", help="Ray address (default: a new local one)")
     run.add_argument("--no-progress", action="store_true")
@@ -64,6 +71,7 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
         "concurrency": args.concurrency,
         "batch_size": args.batch_size,
         "batches_in_flight": args.batches_in_flight,
+        "in_process_engine": args.in_process_engine,
         "app_config": app_config(args.config),
         "ray_address": args.address,
         "progress": not args.no_progress,

@@ -69,6 +69,9 @@ class JobConfig:
     # Batches one engine actor works on at once: > 1 keeps the engine full through each
     # batch's tail; unfinished batches are redone on resume, so more in flight = more redone.
     batches_in_flight: int = 3
+    # Engine core and model worker inside the engine actor's own process (see
+    # serve_app/batch/inproc_engine.py); None: on single-worker CPU engines, where it is faster.
+    in_process_engine: bool | None = None
     app_config: AppConfig = field(default_factory=AppConfig)
     ray_address: str | None = "local"
     progress: bool = True
@@ -84,6 +87,13 @@ class JobConfig:
             template_fields(self.template)
         if min(self.concurrency, self.batch_size, self.batches_in_flight) < 1:
             raise ValueError("concurrency, batch_size and batches_in_flight must be at least 1")
+
+    def engine_in_process(self) -> bool:
+        """Whether engine actors run vLLM in-process (``in_process_engine``, resolved)."""
+        engine = self.app_config.engine
+        if self.in_process_engine is not None:
+            return self.in_process_engine
+        return engine.resolved_device() == "cpu" and engine.world_size == 1
 
     def structured(self) -> StructuredSpec | None:
         if self.json_schema is None:

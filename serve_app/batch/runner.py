@@ -89,10 +89,15 @@ def actor_options(job: JobConfig) -> dict[str, Any]:
     if engine.resolved_device() == "gpu":
         # TP/PP > 1: vLLM's Ray executor places its own GPU workers.
         gpus = 1.0 if engine.world_size == 1 else 0.0
+    env = engine.runtime_env_vars()
+    if job.engine_in_process():
+        from serve_app.batch.inproc_engine import IN_PROCESS_ENV
+
+        env |= IN_PROCESS_ENV
     options: dict[str, Any] = {
         "num_cpus": engine.num_cpus,
         "num_gpus": gpus,
-        "runtime_env": {"env_vars": engine.runtime_env_vars()},
+        "runtime_env": {"env_vars": env},
     }
     if engine.resources:
         options["resources"] = dict(engine.resources)

@@ -19,6 +19,7 @@ import pyarrow as pa
 
 from serve_app.batch.output import OUTPUT_SCHEMA
 from serve_app.batch.rows import JobConfig, RowError, build_request, error_row, row_id
+from serve_app.engine import Engine
 from serve_app.errors import APIError
 from serve_app.messages import EngineRequest, PreprocessRequest, PreprocessResult
 
@@ -39,7 +40,13 @@ class EngineWorker:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        self.engine = VLLMEngine(job.app_config, path, offline=True)
+        self.engine: Engine
+        if job.engine_in_process():
+            from serve_app.batch.inproc_engine import InProcessEngine
+
+            self.engine = InProcessEngine(job.app_config, path)
+        else:
+            self.engine = VLLMEngine(job.app_config, path, offline=True)
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()

@@ -83,11 +83,11 @@ def test_bad_rows_land_in_the_error_column(
     assert all(row["output"] is None for row in rows if row["error"] is not None)
 
 
-def _cli(corpus: Path, out: Path) -> list[str]:
+def _cli(corpus: Path, out: Path, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "serve_app.batch", "run", "--input", str(corpus),
         "--output", str(out), "--temperature", "0", "--config", CONFIG,
-        "--batch-size", "32", "--no-progress", "--summary-json",
+        "--batch-size", "32", "--no-progress", "--summary-json", *extra,
     ]  # fmt: skip
 
 
@@ -96,8 +96,10 @@ def test_killed_job_resumes_without_loss_or_duplicates(tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = os.environ | {"PYTHONPATH": str(ROOT)}
     # Own session: SIGKILL takes the driver, its local Ray cluster and the engine at once.
+    # The killed run uses vLLM's separate engine processes (the GPU path), the re-run the
+    # in-process CPU engine (the default here): both paths end to end on the real model.
     first = subprocess.Popen(
-        _cli(corpus, out), cwd=ROOT, env=env, start_new_session=True,
+        _cli(corpus, out, "--no-in-process-engine"), cwd=ROOT, env=env, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:

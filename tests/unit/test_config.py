@@ -25,6 +25,7 @@ def test_defaults_are_valid() -> None:
         ("preprocessor", {"batch_wait_timeout_s": 5}, "less than or equal to 1"),
         ("router", {"min_replicas": 3, "max_replicas": 2}, "exceeds max_replicas"),
         ("model", {"max_model_len": 4}, "greater than or equal to 16"),
+        ("engine", {"cpu_threads_bind": "cores 0-3"}, "not a core list"),
     ],
 )
 def test_bad_fields_fail_with_the_field_named(

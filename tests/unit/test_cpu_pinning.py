@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import threading
 
+import pytest
+
 from serve_app import cpu_pinning
 
 
@@ -34,3 +36,18 @@ def test_engine_isolation_leaves_an_unconfined_process_alone() -> None:
         with cpu_pinning.engine_isolation(threads_bind):
             assert os.sched_getaffinity(0) == before
         assert os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == bind
+
+
+def test_core_lists_parse_like_vllm_and_bad_ones_are_refused() -> None:
+    assert cpu_pinning.parse_core_list("0-2,5") == [0, 1, 2, 5]
+    assert cpu_pinning.parse_core_list("3") == [3]
+    for bad in ("", "a-b", "2-1", "-1", "0-"):
+        with pytest.raises(ValueError, match="core list"):
+            cpu_pinning.parse_core_list(bad)
+
+
+def test_in_process_model_uses_every_allowed_core_unless_bound() -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    assert cpu_pinning.in_process_cores("auto") == (allowed, False)
+    assert cpu_pinning.in_process_cores("nobind") == (allowed, False)
+    assert cpu_pinning.in_process_cores("0-1") == ([0, 1], True)
