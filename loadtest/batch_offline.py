@@ -68,7 +68,7 @@ class Result:
     def line(self, base: Result | None) -> str:
         ratio = "" if base is None else f"  ({self.tok_s / base.tok_s:.2f}x of {base.name})"
         return (
-            f"{self.name:<22} {self.rows:>6} rows {self.seconds:>8.1f} s "
+            f"{self.name:<26} {self.rows:>6} rows {self.seconds:>8.1f} s "
             f"{self.rows / self.seconds:>8.2f} rows/s {self.tok_s:>8.1f} out tok/s{ratio}"
         )
 
@@ -242,6 +242,10 @@ def main() -> None:
     base = next((r for r in results if r.name == "vllm.LLM.chat"), None)
     for result in results:
         print(result.line(base if result is not base else None))
+    ours = next((r for r in results if r.name == "serve_app.batch"), None)
+    for other in results:
+        if ours is not None and other is not ours:
+            print(f"serve_app.batch / {other.name}: {ours.tok_s / other.tok_s:.2f}x")
 
 
 if __name__ == "__main__":
