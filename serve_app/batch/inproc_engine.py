@@ -58,6 +58,7 @@ class InProcessEngine:
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._pending: dict[str, _Submit] = {}
         self._dead: BaseException | None = None
+        self._stopped = False
         started: concurrent.futures.Future[None] = concurrent.futures.Future()
         # The engine is built on the thread that steps it: OpenMP binds that thread's team.
         self._thread = threading.Thread(
@@ -69,6 +70,8 @@ class InProcessEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
         if self._dead is not None:
             raise APIError(f"the engine failed: {self._dead}", status=503, type="server_error")
+        if self._stopped:  # Nothing would ever answer.
+            raise APIError("the engine was shut down", status=503, type="server_error")
         done: concurrent.futures.Future[EngineStep] = concurrent.futures.Future()
         self._inbox.put(_Submit(request, done))
         try:
@@ -88,6 +91,7 @@ class InProcessEngine:
             raise RuntimeError(f"the in-process engine stopped: {self._dead}")
 
     def shutdown(self) -> None:
+        self._stopped = True
         self._inbox.put(_STOP)
 
     def _run(self, config: AppConfig, model_path: str, started: concurrent.futures.Future) -> None:

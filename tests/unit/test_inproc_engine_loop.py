@@ -84,6 +84,8 @@ def test_requests_finish_and_a_refused_one_fails_alone(scripted: ScriptedEngine)
     assert isinstance(refused, APIError) and "cannot be empty" in str(refused)
     assert engine.num_unfinished() == 0
     engine.shutdown()
+    with pytest.raises(APIError, match="shut down"):
+        asyncio.run(_final(engine, _request("late")))
 
 
 def test_a_failed_step_fails_rows_in_flight_and_later_ones(scripted: ScriptedEngine) -> None:
