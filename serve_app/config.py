@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serve_app.autoscaling import EngineAutoscalingConfig, autoscaling_config, replica_env
+from serve_app.cpu_pinning import ThreadsBind
 from serve_app.protocol.common import GenerationDefaults
 from serve_app.security import SecurityConfig
 
@@ -157,7 +158,7 @@ class EngineConfig(ReplicaConfig):
     kv_cache_space_gib: int = Field(
         2, ge=1, description="CPU only: KV cache size in whole GiB (sets VLLM_CPU_KVCACHE_SPACE)."
     )
-    cpu_threads_bind: str = Field(
+    cpu_threads_bind: ThreadsBind = Field(
         "auto", description="CPU only: VLLM_CPU_OMP_THREADS_BIND ('auto', 'nobind', or '0-1')."
     )
     enforce_eager: bool = Field(False, description="Skip graph capture/compile (faster start).")
@@ -202,16 +203,6 @@ class EngineConfig(ReplicaConfig):
                 target_ongoing=self.target_ongoing_requests,
             )
         return options
-
-    @field_validator("cpu_threads_bind")
-    @classmethod
-    def _known_binding(cls, value: str) -> str:
-        if value not in ("auto", "nobind"):
-            from serve_app.cpu_pinning import parse_core_list
-
-            for worker_cores in value.split("|"):  # One list per worker: '0-3|4-7'.
-                parse_core_list(worker_cores)
-        return value
 
     @field_validator("block_size")
     @classmethod

@@ -18,9 +18,10 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import psutil
+from pydantic import AfterValidator
 
 if TYPE_CHECKING:
     from serve_app.config import EngineConfig
@@ -66,6 +67,17 @@ def parse_core_list(text: str) -> list[int]:
             raise ValueError(f"not a core list: {text!r} (expected e.g. '0-3' or '0,2')")
         cores.update(range(low, high + 1))
     return sorted(cores)
+
+
+def check_threads_bind(value: str) -> str:
+    """A valid VLLM_CPU_OMP_THREADS_BIND: 'auto', 'nobind' or one core list per worker."""
+    if value not in ("auto", "nobind"):
+        for worker_cores in value.split("|"):  # '0-3|4-7': one list per worker.
+            parse_core_list(worker_cores)
+    return value
+
+
+ThreadsBind = Annotated[str, AfterValidator(check_threads_bind)]
 
 
 def in_process_cores(threads_bind: str) -> tuple[list[int], bool]:

@@ -76,6 +76,15 @@ def engine_args(config: AppConfig, model_path: str) -> dict[str, Any]:
     return {key: value for key, value in args.items() if value is not None}
 
 
+def vllm_engine_args(args: dict[str, Any], cls: type[Any], **extra: Any) -> Any:
+    """``cls`` (vLLM's ``EngineArgs`` or ``AsyncEngineArgs``) from ``engine_args`` output."""
+    from vllm.config import StructuredOutputsConfig
+
+    kwargs = dict(args) | extra
+    structured = StructuredOutputsConfig(**kwargs.pop("structured_outputs_config"))
+    return cls(**kwargs, structured_outputs_config=structured)
+
+
 def to_sampling_params(request: EngineRequest) -> SamplingParams:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
@@ -185,14 +194,10 @@ class VLLMEngine:
         args = engine_args(config, model_path)
         logger.info("Starting vLLM AsyncLLM with %s", args)
         self.resolved_args = args
-        from vllm.config import StructuredOutputsConfig
-
-        kwargs = dict(args)
-        structured = StructuredOutputsConfig(**kwargs.pop("structured_outputs_config"))
         bind = config.engine.cpu_threads_bind if config.engine.resolved_device() == "cpu" else ""
         with cpu_pinning.engine_isolation(bind):
             self._llm = AsyncLLM.from_engine_args(
-                AsyncEngineArgs(**kwargs, structured_outputs_config=structured),
+                vllm_engine_args(args, AsyncEngineArgs),
                 stat_loggers=_ray_stat_loggers(),
                 usage_context=UsageContext.LLM_CLASS if offline else UsageContext.OPENAI_API_SERVER,
             )

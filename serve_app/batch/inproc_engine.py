@@ -171,12 +171,11 @@ class InProcessEngine:
 
 def _build(config: AppConfig, model_path: str) -> Any:
     import torch
-    from vllm.config import StructuredOutputsConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from serve_app.engine import engine_args
+    from serve_app.engine import engine_args, vllm_engine_args
 
     # No engine core spins on a core of its own here, so the model may use every core (Ray
     # starts actors with OMP_NUM_THREADS=1 when they ask for less than one CPU). Binding this
@@ -187,10 +186,9 @@ def _build(config: AppConfig, model_path: str) -> Any:
     torch.set_num_threads(len(cores))
     kwargs = engine_args(config, model_path)
     logger.info("Starting an in-process vLLM LLMEngine with %s", kwargs)
-    structured = StructuredOutputsConfig(**kwargs.pop("structured_outputs_config"))
-    args = EngineArgs(
-        **kwargs,
-        structured_outputs_config=structured,
+    args = vllm_engine_args(
+        kwargs,
+        EngineArgs,
         distributed_executor_backend="uni",
         disable_log_stats=True,  # As vLLM's offline LLM class.
     )
