@@ -1,0 +1,114 @@
+"""The model block: which checkpoint, its context window, and the server's sampling defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from serve_app.config.base import StrictModel
+
+TOP_K_MAX = 2**31 - 1  # vLLM keeps top_k as int32; any value past the vocabulary means off.
+
+
+class GenerationDefaults(BaseModel):
+    """Server-side defaults, applied when a request leaves a field unset.
+
+    Precedence for every sampling field: the request's value → this server default → OpenAI's
+    default (temperature 1, top_p 1, no penalties).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float | None = Field(None, ge=0, le=2, description="Default temperature.")
+    top_p: float | None = Field(None, gt=0, le=1, description="Default nucleus sampling p.")
+    top_k: int | None = Field(
+        None, ge=-1, le=TOP_K_MAX, description="Default top-k (-1 or 0: off)."
+    )
+    repetition_penalty: float | None = Field(None, gt=0, le=2, description="Default penalty.")
+    max_tokens: int | None = Field(
+        None, ge=1, description="Default completion length cap when a request sets none."
+    )
+
+
+class ModelConfig(StrictModel):
+    name: str = Field(
+        "smollm2-135m-instruct",
+        description="An embedded alias (smollm2-135m-instruct, tiny-qwen2), a local checkpoint "
+        "directory, or a Hugging Face hub id such as Qwen/Qwen2.5-7B-Instruct.",
+    )
+    served_model_name: str | None = Field(
+        None, description="Name clients put in `model`; defaults to `name`."
+    )
+    max_model_len: int | None = Field(
+        None, ge=16, description="Context window (prompt + completion). Default: the model's."
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto",
+        description="Weight and activation dtype. auto: the checkpoint's, except float32 on "
+        "a CPU without native bf16 (AVX2 only), where bf16 runs ~6x slower.",
+    )
+    rope_scaling: dict[str, Any] | None = Field(
+        None,
+        description="RoPE scaling override, e.g. {rope_type: yarn, factor: 4.0, "
+        "original_max_position_embeddings: 32768} to run Qwen2.5 at 128K.",
+    )
+    trust_remote_code: bool = Field(False, description="Allow custom model code from the hub.")
+    generation_defaults: GenerationDefaults = Field(
+        default_factory=GenerationDefaults,
+        description="Server defaults for sampling fields a request leaves unset.",
+    )
+
+    chat_template: str | None = Field(
+        None,
+        max_length=1024 * 1024,
+        description="A Jinja chat template replacing the checkpoint's: the template text, or "
+        "the path of a file holding it (read when the config is validated, so replicas on "
+        "other nodes get the text). Compiled when the app is built. Requests cannot send "
+        "templates.",
+    )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_text(cls, value: str | None) -> str | None:
+        if value is None or "{{" in value or "{%" in value:
+            return value
+        path = Path(value).expanduser()
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(
+                f"{value!r} is neither a Jinja template (no {{{{ or {{%) nor a readable UTF-8 "
+                f"file ({exc}); give the template text or its path"
+            ) from None
+        if "{{" not in text and "{%" not in text:
+            raise ValueError(f"{path} holds no Jinja template (no {{{{ or {{%)")
+        return text
+
+    @property
+    def public_name(self) -> str:
+        return self.served_model_name or self.name
+
+    def context_window(self, native: int) -> int:
+        """The context window, checked against what the model supports without RoPE scaling
+        (``native``: the checkpoint's max_position_embeddings; 0 when it names none)."""
+        requested = self.max_model_len
+        scaling = self.rope_scaling or {}
+        factor = float(scaling.get("factor", 1.0))
+        original = int(scaling.get("original_max_position_embeddings", native) or native)
+        supported = int(original * factor) if scaling else native
+        if requested is None:
+            return supported or 2048
+        if supported and requested > supported:
+            hint = (
+                "raise rope_scaling.factor"
+                if scaling
+                else "set model.rope_scaling, e.g. {rope_type: yarn, factor: 4.0, "
+                f"original_max_position_embeddings: {native}}}"
+            )
+            raise ValueError(
+                f"model.max_model_len {requested} exceeds the model's {supported}; "
+                f"lower it or {hint}"
+            )
+        return requested

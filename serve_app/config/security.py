@@ -1,0 +1,187 @@
+"""Security settings: API keys' sources, per-key rate limits, request size and shape limits."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import Field, field_validator
+
+from serve_app.config.base import StrictModel
+
+NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+# apply_chat_template's own parameters and the inputs it renders: never a client's to set.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "chat_template", "tokenize", "tools", "documents", "messages", "conversation",
+        "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+        "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation",
+        "max_length", "bos_token", "eos_token", "unk_token", "pad_token",
+    }
+)  # fmt: skip
+
+
+class KeyRateLimit(StrictModel):
+    """Per-minute budgets of one key (sliding 60 s window, shared by all router replicas)."""
+
+    requests_per_minute: int | None = Field(
+        None, ge=1, le=10_000_000, description="Requests per minute per key; unset: unlimited."
+    )
+    tokens_per_minute: int | None = Field(
+        None,
+        ge=1,
+        le=10**12,
+        description="Tokens per minute per key, charged up front: every prompt's estimate "
+        "(characters / 4, or its token ids) + n × max_tokens × number of prompts + tool "
+        "definitions (JSON size / 4); unset: unlimited.",
+    )
+
+
+class RequestLimits(StrictModel):
+    """Bounds on one request's shape, checked before any preprocessing (400 with `param`)."""
+
+    max_tokens_cap: int | None = Field(
+        None,
+        ge=1,
+        le=10_000_000,
+        description="Largest max_tokens / max_completion_tokens accepted; unset: the context "
+        "window is the only bound (set model.generation_defaults.max_tokens for a default).",
+    )
+    max_n: int = Field(16, ge=1, le=128, description="Largest `n` (choices per request).")
+    max_messages: int = Field(
+        1024, ge=1, le=100_000, description="Most chat messages in one request."
+    )
+    max_tools: int = Field(128, ge=0, le=10_000, description="Most tool definitions per request.")
+    max_prompt_chars: int | None = Field(
+        None,
+        ge=1,
+        le=10**9,
+        description="Most prompt characters (all message contents, or all prompts; a token id "
+        "counts as one); unset: bounded by max_body_bytes and the context window.",
+    )
+
+
+class SecurityConfig(StrictModel):
+    """The `security` block of AppConfig. No keys configured means no authentication."""
+
+    api_keys_env: str = Field(
+        "SERVE_APP_API_KEYS",
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$",
+        description="Environment variable (on the router replicas) holding a comma-separated "
+        "list of `name:key` or bare keys; set it through the application's runtime_env.",
+    )
+    api_keys_file: Path | None = Field(
+        None,
+        description="Absolute path of a file with one `name:key` (or bare key) per line; "
+        "blank lines and lines starting with # are skipped. Unreadable: the router fails.",
+    )
+    requests_per_minute: int | None = Field(
+        None, ge=1, le=10_000_000, description="Default requests per minute of every key."
+    )
+    tokens_per_minute: int | None = Field(
+        None, ge=1, le=10**12, description="Default tokens per minute of every key."
+    )
+    key_rate_limits: dict[str, KeyRateLimit] = Field(
+        default_factory=dict,
+        description="Per-key-name budgets; an entry replaces both defaults for that key.",
+    )
+    unset_max_tokens_charge: int = Field(
+        1024,
+        ge=1,
+        le=10_000_000,
+        description="Completion tokens charged to tokens_per_minute when a chat request sets "
+        "no max_tokens (completions default to 16, as in OpenAI's API).",
+    )
+    max_body_bytes: int = Field(
+        2 * 1024 * 1024,
+        ge=1024,
+        le=1024**3,
+        description="Largest request body, Content-Length or streamed; larger gets 413.",
+    )
+    max_header_bytes: int = Field(
+        8 * 1024,
+        ge=1024,
+        le=1024**2,
+        description="Largest total size of the request headers; larger gets 431.",
+    )
+    limits: RequestLimits = Field(default_factory=RequestLimits)
+    allowed_chat_template_kwargs: list[str] = Field(
+        default_factory=lambda: ["enable_thinking"],
+        max_length=64,
+        description="chat_template_kwargs keys a request may set (the flags your model's "
+        "template reads; Qwen3's: enable_thinking). Any other key is a 400 naming it. "
+        "Template parameters (chat_template, tokenize, tools, documents, ...) cannot be allowed.",
+    )
+    key_priorities: dict[str, int] = Field(
+        default_factory=dict,
+        description="Lowest vLLM priority each key name may ask for (lower runs first), e.g. "
+        "{ops: -10} to let `ops` jump the queue, {bulk: 100} to keep `bulk` in the background; "
+        "a request below its key's floor (0 for other keys) is raised to it.",
+    )
+    admin_keys: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Names of the API keys allowed to change the server (POST "
+        "/v1/load_lora_adapter, /v1/unload_lora_adapter). With API keys configured and none "
+        "named here, nobody may; without API keys these routes are open, unless names are "
+        "given here (then they stay closed until the keys are configured).",
+    )
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _absolute(cls, value: Path | None) -> Path | None:
+        # Replicas do not share the driver's working directory: relative paths would be a trap.
+        if value is not None and not value.expanduser().is_absolute():
+            raise ValueError(f"{value}: give an absolute path (replicas run elsewhere)")
+        return value.expanduser() if value is not None else None
+
+    @field_validator("key_rate_limits")
+    @classmethod
+    def _names(cls, value: dict[str, KeyRateLimit]) -> dict[str, KeyRateLimit]:
+        for name in value:
+            if not NAME_RE.fullmatch(name):
+                raise ValueError(f"{name!r} is not a key name ([A-Za-z0-9_.-], 1-64 chars)")
+        return value
+
+    @field_validator("allowed_chat_template_kwargs")
+    @classmethod
+    def _not_reserved(cls, value: list[str]) -> list[str]:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(value))
+        if reserved:
+            raise ValueError(
+                f"{', '.join(reserved)} cannot be allowed: they choose or drive the template "
+                "itself (set model.chat_template for another template)"
+            )
+        return value
+
+    @field_validator("key_priorities")
+    @classmethod
+    def _priorities(cls, value: dict[str, int]) -> dict[str, int]:
+        for name, priority in value.items():
+            if not NAME_RE.fullmatch(name):
+                raise ValueError(f"{name!r} is not a key name ([A-Za-z0-9_.-], 1-64 chars)")
+            if not -(2**31) <= priority < 2**31:
+                raise ValueError(f"{name}: priority {priority} is outside vLLM's int32 range")
+        return value
+
+    def min_priority(self, key_name: str | None) -> int:
+        """The lowest priority a request of this key may run at (0 unless configured)."""
+        return self.key_priorities.get(key_name or "", 0)
+
+    @field_validator("admin_keys")
+    @classmethod
+    def _admin_names(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not NAME_RE.fullmatch(name):
+                raise ValueError(f"{name!r} is not a key name ([A-Za-z0-9_.-], 1-64 chars)")
+        return value
+
+    @property
+    def rate_limited(self) -> bool:
+        return bool(self.requests_per_minute or self.tokens_per_minute or self.key_rate_limits)
+
+    def rate_limit_for(self, name: str) -> KeyRateLimit:
+        default = KeyRateLimit(
+            requests_per_minute=self.requests_per_minute, tokens_per_minute=self.tokens_per_minute
+        )
+        return self.key_rate_limits.get(name, default)
