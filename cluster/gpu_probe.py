@@ -1,5 +1,4 @@
-"""Traffic half of the GPU check: chat checks, a short streamed benchmark, what the engine
-was actually given (per-GPU memory, its placement group), the report."""
+"""Traffic half of the GPU check: chat checks, a short streamed benchmark, the report."""
 
 from __future__ import annotations
 
@@ -38,78 +37,6 @@ class Figures:
     ttft_p90_s: float | None = None
     latency_p50_s: float | None = None
     engine_args: dict[str, Any] = field(default_factory=dict)
-    # Per GPU after the engine started: {index, name, used_mib, total_mib}.
-    gpu_memory: list[dict[str, Any]] = field(default_factory=list)
-    # The engine replicas' placement groups as Ray created them: {name, strategy, bundles, nodes}.
-    placement_groups: list[dict[str, Any]] = field(default_factory=list)
-
-
-GPU_MEMORY_QUERY = [
-    "nvidia-smi",
-    "--query-gpu=index,name,memory.used,memory.total",
-    "--format=csv,noheader,nounits",
-]
-
-
-def parse_gpu_memory(text: str) -> list[dict[str, Any]]:
-    """Rows of ``GPU_MEMORY_QUERY``'s output ("0, NVIDIA A10G, 21034, 23028")."""
-    rows = []
-    for line in text.splitlines():
-        parts = [part.strip() for part in line.split(",")]
-        if len(parts) < 4 or not parts[0].isdigit():
-            continue
-        index, *name, used, total = parts
-        try:
-            rows.append(
-                {
-                    "index": int(index),
-                    "name": ", ".join(name),
-                    "used_mib": int(float(used)),
-                    "total_mib": int(float(total)),
-                }
-            )
-        except ValueError:
-            continue  # "[N/A]" on some GPUs.
-    return rows
-
-
-def engine_placement_groups(table: dict[str, Any], app_name: str) -> list[dict[str, Any]]:
-    """The engine replicas' placement groups from ``ray.util.placement_group_table()``
-    (Serve names each after its replica actor: ``SERVE_REPLICA::<app>#Engine#<id>``)."""
-    prefix = f"SERVE_REPLICA::{app_name}#Engine#"
-    groups = []
-    for group in table.values():
-        if group.get("state") != "CREATED" or not str(group.get("name", "")).startswith(prefix):
-            continue
-        bundles = group.get("bundles", {})
-        nodes = group.get("bundles_to_node_id", {})
-        groups.append(
-            {
-                "name": group["name"],
-                "strategy": group.get("strategy"),
-                "bundles": [dict(bundles[i]) for i in sorted(bundles)],
-                "nodes": sorted(set(nodes.values())),
-            }
-        )
-    return groups
-
-
-def check_placement(
-    groups: list[dict[str, Any]], bundles: list[dict[str, float]], strategy: str
-) -> None:
-    """Every engine replica got the placement group its config asks for."""
-    if not groups:
-        raise CheckFailed("placement: no engine placement group was created")
-    want = [{key: float(value) for key, value in b.items()} for b in bundles]
-    for group in groups:
-        got = [{key: float(value) for key, value in b.items()} for b in group["bundles"]]
-        if (got, group["strategy"]) != (want, strategy):
-            raise CheckFailed(
-                f"placement: {group['name']} has {group['strategy']} {got}, the config asks "
-                f"for {strategy} {want}"
-            )
-        if strategy == "STRICT_PACK" and len(group["nodes"]) != 1:
-            raise CheckFailed(f"placement: {group['name']} spans nodes {group['nodes']}")
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -246,20 +173,6 @@ def report(figures: Figures) -> None:
         ("output tokens/s", f"{figures.output_tok_per_s:.1f}"),
         ("TTFT p50 / p90", f"{seconds(figures.ttft_p50_s)} / {seconds(figures.ttft_p90_s)}"),
         ("latency p50", seconds(figures.latency_p50_s)),
-        *(
-            (
-                f"GPU {gpu['index']} memory",
-                f"{gpu['used_mib']} / {gpu['total_mib']} MiB ({gpu['name']})",
-            )
-            for gpu in figures.gpu_memory
-        ),
-        *(
-            (
-                "placement group",
-                f"{group['strategy']} {group['bundles']} on {len(group['nodes'])} node(s)",
-            )
-            for group in figures.placement_groups
-        ),
     ]
     width = max(len(name) for name, _ in rows)
     print()

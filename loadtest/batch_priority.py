@@ -5,7 +5,7 @@ in four conditions, same run:
 
 - ``idle``: nothing else running;
 - ``batch API``: an OpenAI Batch API job in progress (the product path: the router sends its
-  rows at vLLM priority 100, at most batch_api.max_lines_in_flight in flight);
+  rows at vLLM priority 100, at most 32 in flight);
 - ``flood, same priority``: more background requests than ``max_num_seqs`` (the engine's waiting
   queue is never empty) sent at priority 0, like the probes;
 - ``flood, batch priority``: the same flood sent at priority 100, so vLLM's priority scheduler
@@ -27,7 +27,7 @@ from typing import Any
 from loadtest.client import RequestRecord, make_http, percentile, stream_chat
 
 ROOT = Path(__file__).resolve().parents[1]
-BATCH_PRIORITY = 100  # What the Batch API uses (batch_api.priority).
+BATCH_PRIORITY = 100  # What the Batch API uses (serve_app.batch.service.BATCH_PRIORITY).
 PROBE_QUESTIONS = [
     "What is the capital of France? Answer in one word.",
     "Name a primary colour. Answer in one word.",

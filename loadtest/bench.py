@@ -1,14 +1,11 @@
 """Side-by-side benchmark: our app vs vllm serve vs ray.serve.llm vs raw AsyncLLM.
 
 ``python -m loadtest.bench [--suite default|big|smoke] [--targets ours,vllm,rayllm,asyncllm]
-[--concurrency 1 8 32 64 128] [--rates 1 4] [--repeats 3] [--out results/bench-<timestamp>]``
+[--concurrency 1 8 32 64 128] [--rates 1 4] [--out results/bench-<timestamp>]``
 
 Same model, same engine arguments (pinned below, logged per target), same seeded workloads and
 load shapes. Each target is started on a loopback port, warmed up (discarded), measured, and
-stopped before the next one starts, so they never compete for the CPUs. With ``--repeats N``
-every target runs the phase set N times (the order of targets alternating) and the report gives
-medians. For server targets the CPU time of every process of the server is read around the load,
-so the report also gives frontend CPU µs per output token by process role (``loadtest.cpu_cost``).
+stopped before the next one starts, so they never compete for the CPUs.
 """
 
 from __future__ import annotations
@@ -22,12 +19,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from loadtest import cpu_cost, repeats, report, suite
+from loadtest import report, suite
 from loadtest.client import RequestRecord, make_http, stream_chat
 from loadtest.stats import SLO, summarize
 from loadtest.targets import MODEL, TARGETS, app_args, make_server, resolved_config
@@ -56,7 +52,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     p.add_argument("--rates", type=float, nargs="+", default=None, help="Poisson req/s.")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=1, help="Runs per target; report medians.")
     p.add_argument("--slo-ttft", type=float, default=1.0, help="Goodput SLO: TTFT s.")
     p.add_argument("--slo-tpot", type=float, default=0.1, help="Goodput SLO: TPOT s.")
     p.add_argument("--budget-s", type=float, default=None, help="Load seconds per target.")
@@ -93,20 +88,14 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     return app_args(engine, MODEL, args.max_model_len)
 
 
-async def _http_phases(
-    url: str,
-    phases: list[suite.Phase],
-    seed: int,
-    budget: float,
-    warmed: Callable[[], None] | None = None,
-) -> list:
+async def _http_phases(url: str, phases: list[suite.Phase], seed: int, budget: float) -> list:
     width = int(max((p.value for p in phases if p.shape != "poisson"), default=8)) + 64
     async with make_http(max(width, 256)) as http:
 
         async def send(body: dict[str, Any]) -> RequestRecord:
             return await stream_chat(http, url, body)
 
-        return await suite.run_phases(send, phases, MODEL, seed, budget, warmed)
+        return await suite.run_phases(send, phases, MODEL, seed, budget)
 
 
 def run_target(
@@ -154,19 +143,7 @@ def run_target(
     try:
         result["startup_s"] = server.start()
         print(f"[{name}] ready at {server.base_url} in {result['startup_s']:.0f} s", flush=True)
-        session = server.proc.pid if server.proc is not None else -1
-        before: dict[int, tuple[str, float]] = {}
-
-        def warmed() -> None:  # CPU is counted from here: the warm-up is not measured.
-            before.update(cpu_cost.session_cpu(session))
-
-        result["phases"] = asyncio.run(
-            _http_phases(server.base_url, phases, ns.seed, ns.budget_s, warmed)
-        )
-        result["cpu"] = cpu_cost.cpu_by_role(before, cpu_cost.session_cpu(session))
-        result["cpu"]["_tokens"] = sum(
-            r["output_tokens"] for p in result["phases"] for r in p["records"] if r["ok"]
-        )
+        result["phases"] = asyncio.run(_http_phases(server.base_url, phases, ns.seed, ns.budget_s))
         result["status"] = "ok"
     except Exception as exc:  # one broken target never loses the others' results
         result["status"] = f"failed: {exc!r}"[:500]
@@ -202,16 +179,6 @@ def print_summary(results: dict[str, Any]) -> None:
     print("\nRatios (ours vs …):")
     for key, value in report.ratios(results).items():
         print(f"  {key:<58}{_fmt(value, 1, 2):>8}")
-    for peer in ("vllm", "rayllm", "asyncllm"):
-        if peer in results["targets"] and "ours" in results["targets"]:
-            print(
-                f"\nPer phase, ours / {peer}"
-                + (" (medians)" if results["meta"]["repeats"] > 1 else "")
-            )
-            print("\n".join("  " + line for line in repeats.ratio_lines(results, peer)))
-    print("\nFrontend CPU per output token (all phases; the model's processes excluded):")
-    for line in cpu_cost.cpu_lines(results):
-        print("  " + line)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,35 +204,24 @@ def main(argv: list[str] | None = None) -> int:
         "targets": targets,
         "phases": [asdict(p) for p in phases],
         "argv": sys.argv,
-        "repeats": ns.repeats,
     }
     results: dict[str, Any] = {"meta": meta, "targets": {}}
     print(f"Results in {out}; {len(phases)} phases per target, ≤ {ns.budget_s:.0f} s load each.")
-    minutes = ns.max_minutes or MAX_MINUTES.get(ns.suite, 1e6) * ns.repeats
-    deadline = time.perf_counter() + 60 * minutes
+    deadline = time.perf_counter() + 60 * (ns.max_minutes or MAX_MINUTES.get(ns.suite, 1e6))
     budget = ns.budget_s
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
-    order = [
-        (r, name)
-        for r in range(ns.repeats)
-        for name in (targets if r % 2 == 0 else list(reversed(targets)))
-    ]
-    for i, (r, name) in enumerate(order):
+    for i, name in enumerate(targets):
         t0 = time.perf_counter()
-        # Leave each remaining run its start/stop time (~75 s on 2 cores) and a fair share.
-        share = (deadline - t0) / (len(order) - i) - STARTUP_ALLOWANCE_S
+        # Leave each remaining target its start/stop time (~75 s on 2 cores) and a fair share.
+        share = (deadline - t0) / (len(targets) - i) - STARTUP_ALLOWANCE_S
         ns.budget_s = max(10.0, min(budget, share))
-        if ns.repeats > 1:
-            print(f"--- repeat {r + 1}/{ns.repeats}: {name}", flush=True)
-        result = run_target(name, app, phases, ns.port + targets.index(name), out, ns)
+        result = run_target(name, app, phases, ns.port + i, out, ns)
         result["load_budget_s"] = ns.budget_s
         for p in result.get("phases", []):
             if p.get("records") or not p.get("skipped"):
-                records = [RequestRecord.from_dict(rec) for rec in p.get("records", [])]
+                records = [RequestRecord.from_dict(r) for r in p.get("records", [])]
                 p["summary"] = summarize(records, p.get("wall_s", 0.0), slo)
         result["total_s"] = time.perf_counter() - t0
-        runs[name].append(result)
-        results["targets"][name] = repeats.fold(runs[name])
+        results["targets"][name] = result
         report.write(results, out)  # partial results survive a later crash
     files = report.write(results, out)
     print_summary(results)

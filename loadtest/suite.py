@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -105,22 +104,14 @@ def warmup_bodies(model: str, seed: int) -> list[dict[str, Any]]:
 
 
 async def run_phases(
-    send: Send,
-    phases: list[Phase],
-    model: str,
-    seed: int,
-    budget_s: float,
-    warmed: Callable[[], None] | None = None,
+    send: Send, phases: list[Phase], model: str, seed: int, budget_s: float
 ) -> list[dict[str, Any]]:
-    """Warm up (discarded; then ``warmed()`` is called), then every phase in order within
-    ``budget_s`` seconds in all.
+    """Warm up (discarded), then every phase in order within ``budget_s`` seconds in all.
 
     A phase that would start after the budget is recorded as skipped; a started one is cut
     to what remains (no new sends after its limit, in-flight ones finish).
     """
     await run_shape(send, warmup_bodies(model, seed), "closed", 2)
-    if warmed is not None:
-        warmed()
     start = time.perf_counter()
     out: list[dict[str, Any]] = []
     for phase in phases:

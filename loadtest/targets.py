@@ -1,7 +1,7 @@
 """The compared servers, each started and stopped by the harness on a loopback port.
 
 All four get the same vLLM engine arguments, derived once from one ``AppConfig`` by
-``serve_app.engine.vllm_args.engine_args`` (what our engine replica passes to vLLM):
+``serve_app.engine.engine_args`` (what our engine replica passes to vLLM):
 
 - ``ours``: ``python -m serve_app.launch <generated config> --port P`` (Router → Preprocessor →
   Engine on Ray Serve).
@@ -26,7 +26,7 @@ import httpx
 import yaml
 
 from serve_app.config import AppConfig
-from serve_app.engine.vllm_args import engine_args
+from serve_app.engine import engine_args
 
 MODEL = "smollm2-135m-instruct"
 TARGETS = ("ours", "vllm", "rayllm", "asyncllm")
@@ -35,13 +35,9 @@ TARGETS = ("ours", "vllm", "rayllm", "asyncllm")
 def app_args(engine: dict[str, Any], model: str = MODEL, max_model_len: int = 4096) -> dict:
     """The ``args`` block of our Serve config: the pinned engine settings, small replicas."""
     return {
-        "model": {"name": model, "max_model_len": max_model_len, "dtype": "auto"},
+        "model": {"name": model, "max_model_len": max_model_len, "dtype": "bfloat16"},
         "engine": {"device": "cpu", "cpu_threads_bind": "auto", "num_cpus": 0.5} | engine,
-        "preprocessor": {
-            "num_cpus": 0.1,
-            "aggregation_window_s": 0.01,
-            "aggregation_max_requests": 32,
-        },
+        "preprocessor": {"num_cpus": 0.1, "batch_wait_timeout_s": 0.01, "max_batch_size": 32},
         "router": {"num_cpus": 0.1},
     }
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import asdict, dataclass
 from typing import Any
-
-logger = logging.getLogger("serve_app.errors")
 
 
 @dataclass(frozen=True)
@@ -18,13 +15,10 @@ class ErrorInfo:
     type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
-    # Sent as Retry-After (429/503); None: 1 s. Not part of the body.
-    retry_after_s: float | None = None
 
     def body(self) -> dict[str, Any]:
         fields = asdict(self)
         fields.pop("status")
-        fields.pop("retry_after_s")
         return {"error": fields}
 
 
@@ -39,20 +33,14 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
-        retry_after_s: float | None = None,
     ) -> None:
         super().__init__(message)
-        self.info = ErrorInfo(message, status, type, param, code, retry_after_s)
+        self.info = ErrorInfo(message, status, type, param, code)
 
     @classmethod
     def from_info(cls, info: ErrorInfo) -> APIError:
         return cls(
-            info.message,
-            status=info.status,
-            type=info.type,
-            param=info.param,
-            code=info.code,
-            retry_after_s=info.retry_after_s,
+            info.message, status=info.status, type=info.type, param=info.param, code=info.code
         )
 
 
@@ -96,83 +84,13 @@ BACKEND_UNAVAILABLE = ErrorInfo(
 )
 
 
-def internal_error(exc: BaseException) -> ErrorInfo:
-    """A bug (ours, in some replica): 500, which clients do not retry; details go to the log."""
-    from ray.exceptions import RayTaskError
-
-    cause = exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
-    return ErrorInfo(
-        f"Internal error ({type(cause).__name__}); the server log has the details.",
-        status=500,
-        type="server_error",
-        code="internal_error",
-    )
-
-
 def backend_error(exc: BaseException) -> ErrorInfo | None:
-    """The client-facing error for a failure met on a handle or actor call, by its cause.
+    """503 for failures of the graph itself (a replica died, is restarting or is full)."""
+    from ray.exceptions import RayError
+    from ray.serve.exceptions import RayServeException
 
-    - ``APIError`` (also raised in a replica): its own status and fields;
-    - a full queue (``BackPressureError``): its status (503/429) and Retry-After;
-    - a replica that died or cannot be reached: 503 ``backend_unavailable`` (retryable);
-    - any other exception raised by code in a replica (``RayTaskError``): 500
-      ``internal_error`` — a bug, which clients must not retry as if the server were busy;
-    - any other Ray or Serve failure (no replica, controller gone): 503;
-    - anything else: None (a bug in this process; the caller logs it and answers 500).
-    """
-    from ray.exceptions import RayActorError, RayError, RayTaskError
-    from ray.serve.exceptions import BackPressureError, RayServeException
-
-    if isinstance(exc, RayTaskError):
-        cause = exc.cause
-        if isinstance(cause, APIError | RayError | RayServeException):
-            return backend_error(cause)
-        return internal_error(exc)
     if isinstance(exc, APIError):
         return exc.info
-    if isinstance(exc, BackPressureError):
-        return ErrorInfo(
-            f"The model backend is at capacity ({exc.message.rstrip('.')}); retry shortly.",
-            status=exc.status_code,
-            type="server_error",
-            code="overloaded",
-            retry_after_s=exc.retry_after_s,
-        )
-    if isinstance(exc, RayActorError | RayError | RayServeException):
+    if isinstance(exc, RayError | RayServeException):
         return BACKEND_UNAVAILABLE
     return None
-
-
-def logged_error(exc: BaseException) -> ErrorInfo:
-    """``backend_error`` of ``exc``, or a 500 for a local bug; a bug is logged with its
-    traceback (a replica's traceback is part of a ``RayTaskError``'s message)."""
-    info = backend_error(exc)
-    if info is None or (info.status == 500 and info.code == "internal_error"):
-        logger.error("Internal error", exc_info=exc)
-        return info or internal_error(exc)
-    if info.status >= 500 or info.status == 429:
-        logger.warning("Backend unavailable: %r", exc)
-    return info
-
-
-def replica_lost(exc: BaseException) -> bool:
-    """The callee's process died while it held the call (not an error its code raised).
-
-    Only a confirmed death counts: ``ActorUnavailableError`` (the actor may still be running)
-    does not, so a re-submitted request can never run twice.
-    """
-    from ray.exceptions import ActorDiedError, RayTaskError
-
-    if isinstance(exc, RayTaskError):
-        return isinstance(exc.cause, ActorDiedError)
-    return isinstance(exc, ActorDiedError)
-
-
-FAULT_MARKER = "serve_app-fault:"
-
-
-def inject_fault(enabled: bool, stop: tuple[str, ...] | list[str], stage: str) -> None:
-    """Tests only (``fault_injection: true``): a request whose stop strings include
-    ``serve_app-fault:<stage>`` raises an unexpected exception in that stage, as a bug would."""
-    if enabled and f"{FAULT_MARKER}{stage}" in stop:
-        raise RuntimeError(f"fault injected in {stage} (fault_injection is on)")

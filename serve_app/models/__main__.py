@@ -32,11 +32,6 @@ def _parser() -> argparse.ArgumentParser:
     prep = sub.add_parser("prepare", help="build embedded models into the cache")
     prep.add_argument("aliases", nargs="*", metavar="ALIAS", help="default: all")
     prep.add_argument("--force", action="store_true", help="rebuild even if prepared")
-    lora = sub.add_parser(
-        "adapter", help="build a LoRA adapter making smollm2-135m-instruct answer MARKER"
-    )
-    lora.add_argument("marker", metavar="MARKER", help="the word it answers, e.g. BANANA")
-    lora.add_argument("--force", action="store_true", help="rebuild even if cached")
     return parser
 
 
@@ -60,11 +55,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "list":
             return _list()
-        if args.command == "adapter":
-            from .marker_adapter import marker_adapter
-
-            print(marker_adapter(args.marker, force=args.force), flush=True)
-            return 0
         return _prepare(args.aliases, args.force)
     except (UnknownModelError, ModelSourceMissingError) as exc:
         print(f"error: {exc}", file=sys.stderr)

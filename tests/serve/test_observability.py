@@ -62,7 +62,7 @@ def test_one_trace_spans_router_preprocessor_and_engine(base_url: str) -> None:
     usage = response.json()["usage"]
     assert attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
     assert attributes["gen_ai.request.model"] == MODEL
-    assert by_name["preprocess"]["attributes"]["serve_app.window.size"] >= 1  # type: ignore[index]
+    assert by_name["preprocess"]["attributes"]["serve_app.batch.size"] >= 1  # type: ignore[index]
 
 
 def _metrics_text() -> str:
@@ -116,8 +116,8 @@ def test_prometheus_export_moves_with_traffic(client: OpenAI) -> None:
     assert _sample(text, counter, **labels) - before == sent
     for histogram in (
         "ray_serve_app_request_latency_seconds_count",
-        "ray_serve_app_aggregation_window_size_count",
-        "ray_serve_app_aggregation_window_wait_seconds_count",
+        "ray_serve_app_preprocess_batch_size_count",
+        "ray_serve_app_preprocess_batch_wait_seconds_count",
     ):
         assert _sample(text, histogram) > 0, histogram
     assert _sample(text, "ray_serve_app_generation_tokens_total") >= sent

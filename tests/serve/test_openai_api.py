@@ -101,9 +101,6 @@ def test_stop_sequences_are_honoured(client: OpenAI) -> None:
 
 def test_greedy_is_deterministic_and_seed_reproduces(client: OpenAI) -> None:
     prompt = "Write one sentence about the sea."
-    # The first call fills the prefix cache; later calls reuse it. Computed and cached prefixes
-    # differ in the last bits of bf16, enough to flip a greedy token: compare like with like.
-    ask(client, prompt, max_tokens=20)
     assert ask(client, prompt, max_tokens=20) == ask(client, prompt, max_tokens=20)
     sampled = [ask(client, prompt, max_tokens=20, temperature=1.0, seed=1234) for _ in range(2)]
     assert sampled[0] == sampled[1]
@@ -180,38 +177,3 @@ async def test_64_concurrent_requests_all_succeed(async_client: AsyncOpenAI) -> 
     results = await asyncio.gather(*(one(i) for i in range(64)))
     assert len(results) == 64
     assert all(reason in ("stop", "length") and tokens > 0 for reason, tokens in results)
-
-
-async def test_concurrent_streams_share_step_channel_frames(async_client: AsyncOpenAI) -> None:
-    """16 streams decoding together reach the router as one frame per engine step for all of
-    them (the step channel), each stream still complete."""
-    from ray import serve
-
-    engine = serve.get_deployment_handle("Engine", app_name="llm")
-    before = await engine.step_channel_counts.remote()
-
-    async def one(i: int) -> tuple[str, int]:
-        stream = await async_client.completions.create(
-            model=MODEL,
-            prompt=f"Count from {i}:",
-            max_tokens=24,
-            temperature=0,
-            extra_body={"ignore_eos": True},
-            stream=True,
-            stream_options={"include_usage": True},
-        )
-        text, tokens = "", 0
-        async for chunk in stream:
-            if chunk.choices:
-                text += chunk.choices[0].text
-            if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
-        return text, tokens
-
-    streamed = await asyncio.gather(*(one(i) for i in range(16)))
-    after = await engine.step_channel_counts.remote()
-    assert all(tokens == 24 and text for text, tokens in streamed)
-    steps, frames = after["steps"] - before["steps"], after["frames"] - before["frames"]
-    assert steps >= 16 * 24 // 2  # Each stream's steps (a step may carry several tokens).
-    assert frames < steps / 2, (steps, frames)
-    assert after["dropped"] == before["dropped"]

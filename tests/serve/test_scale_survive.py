@@ -1,4 +1,4 @@
-"""Scale and survive: backpressure, timeouts, engine death and recovery.
+"""Scale and survive: backpressure, timeouts, engine death and recovery, autoscaling.
 
 Each part deploys its own small app next to the shared one (tight limits so a burst overflows)
 and deletes it at the end. Every client call is bounded; timings are generous (shared CPUs).
@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -29,6 +30,7 @@ SURVIVE: dict[str, Any] = {
         "max_queued_requests": 4,
         "health_check_period_s": 2,
         "health_check_timeout_s": 20,
+        "graceful_shutdown_timeout_s": 5,
     },
     # The router takes more than the engine: overload is shed at the engine's handle (OpenAI
     # JSON); past the router's own queue Serve's proxy rejects (plain text, Retry-After). That
@@ -50,7 +52,7 @@ def _deploy(base_url: str, name: str, overrides: dict[str, Any]) -> str:
         build_app(_merge(args, overrides)), name=name, route_prefix=f"/{name}", blocking=False
     )
     url = f"{base_url}/{name}"
-    wait_ready(url, timeout_s=600, app=name)
+    wait_ready(url, timeout_s=600)
     return url
 
 
@@ -173,17 +175,8 @@ def _engine_core(app: str) -> psutil.Process:
     return cores[0]
 
 
-def _wait_healthy(url: str, timeout_s: float = 120) -> None:
-    """Readiness comes from the controller's replica states, polled on demand: the first
-    probes of a router replica may answer before the controller did."""
-    deadline = time.monotonic() + timeout_s
-    while httpx.get(f"{url}/health", timeout=10).status_code != 200:
-        assert time.monotonic() < deadline, f"{url} not ready after {timeout_s:.0f} s"
-        time.sleep(1)
-
-
 def test_engine_death_fails_fast_and_recovers(survive: str) -> None:
-    _wait_healthy(survive)
+    assert httpx.get(f"{survive}/health", timeout=10).status_code == 200
     core = _engine_core("survive")
 
     async def load() -> list[int | str]:
@@ -222,5 +215,72 @@ def test_engine_death_fails_fast_and_recovers(survive: str) -> None:
     assert recovered_after is not None, "the engine replica never came back"
     print(f"\nin-flight at kill: {statuses}; recovered after {recovered_after:.0f} s")
     assert seen_unhealthy
-    _wait_healthy(survive)
+    assert httpx.get(f"{survive}/health", timeout=10).status_code == 200
     assert _engine_core("survive").pid != core.pid
+
+
+def _engine_replicas(app: str) -> int:
+    from ray import serve
+    from ray.serve._private.common import ReplicaState
+
+    status = serve.status().applications[app].deployments["Engine"]
+    return int(status.replica_states.get(ReplicaState.RUNNING, 0))
+
+
+def test_autoscales_on_engine_queue(base_url: str) -> None:
+    from ray import serve
+
+    overrides = {
+        "engine": SURVIVE["engine"]
+        | {
+            "max_ongoing_requests": 32,
+            "max_queued_requests": -1,
+            "num_replicas": "auto",
+            "min_replicas": 1,
+            "max_replicas": 2,
+            "autoscaling": {
+                "target_queue_depth": 2,
+                "upscale_delay_s": 1,
+                "downscale_delay_s": 5,
+                "look_back_period_s": 2,
+                "metrics_interval_s": 0.5,
+            },
+        },
+        "router": {"num_cpus": 0.05},
+        "preprocessor": {"num_cpus": 0.05},
+    }
+    url = _deploy(base_url, "autoscale", overrides)
+    try:
+        assert _engine_replicas("autoscale") == 1
+
+        stop = threading.Event()
+
+        async def load() -> None:
+            async with httpx.AsyncClient(timeout=120) as http:
+
+                async def worker(i: int) -> None:
+                    while not stop.is_set():
+                        body = _body(64, i, ignore_eos=True)
+                        await http.post(f"{url}/v1/chat/completions", json=body)
+
+                await asyncio.gather(*(worker(i) for i in range(8)))
+
+        loader = threading.Thread(target=asyncio.run, args=(load(),))
+        started = time.monotonic()
+        loader.start()
+        while _engine_replicas("autoscale") < 2 and time.monotonic() - started < 300:
+            time.sleep(1)
+        up_after = time.monotonic() - started
+        stop.set()
+        loader.join(timeout=150)
+        assert _engine_replicas("autoscale") == 2, "no scale-up within 300 s"
+        idle_at = time.monotonic()
+        while _engine_replicas("autoscale") > 1 and time.monotonic() - idle_at < 180:
+            time.sleep(1)
+        down_after = time.monotonic() - idle_at
+        print(
+            f"\nautoscale: 1 -> 2 after {up_after:.0f} s load, 2 -> 1 after {down_after:.0f} s idle"
+        )
+        assert _engine_replicas("autoscale") == 1, "no scale-down within 180 s"
+    finally:
+        serve.delete("autoscale")

@@ -21,7 +21,7 @@ ADMIN = "sk-admin-4c1f0e8a9b7d"
 LIMITED = "sk-limited-77e2a1c05f3b"
 TOKENS = "sk-tokens-0a9e5d3c2b1f"
 RPM = 6
-OPEN = {"/health", "/livez", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+OPEN = {"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 USER: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hi."}]
 
 
@@ -33,7 +33,7 @@ def secure_url(base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
     keys.write_text(f"admin:{ADMIN}\nlimited:{LIMITED}\ntokens:{TOKENS}\n")
     keys.chmod(0o600)
     args: dict[str, Any] = {
-        "model": {"name": MODEL, "max_model_len": 2048, "dtype": "auto"},
+        "model": {"name": MODEL, "max_model_len": 2048, "dtype": "bfloat16"},
         "engine": {
             "device": "cpu",
             "enforce_eager": True,

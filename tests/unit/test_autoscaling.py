@@ -11,12 +11,17 @@ import pytest
 from pydantic import ValidationError
 from ray.serve.exceptions import BackPressureError
 
-from serve_app.app import check_placement
+from serve_app.autoscaling import (
+    POLICY_PATH,
+    QUEUE_METRIC,
+    EngineAutoscalingConfig,
+    EngineQueuePolicy,
+    desired_replicas,
+)
+from serve_app.builder import check_placement
 from serve_app.config import AppConfig, EngineConfig
-from serve_app.config.autoscaling import POLICY_PATH, QUEUE_METRIC, EngineAutoscalingConfig
-from serve_app.engine.autoscaling import EngineQueuePolicy, desired_replicas
+from serve_app.deployments import bounded_stream
 from serve_app.errors import APIError
-from serve_app.graph.handles import bounded_stream
 
 
 @pytest.mark.parametrize(
@@ -39,17 +44,11 @@ def test_desired_replicas_without_reports() -> None:
     assert desired_replicas({}, target_queue_depth=4, current_replicas=1, fallback_total=12) == 3
 
 
-def _ctx(
-    metrics: dict[str, dict[str, float]],
-    running: list[str],
-    total: float | None = 0,
-    target: int | None = None,
-) -> Any:
+def _ctx(metrics: dict[str, dict[str, float]], running: list[str], total: float = 0) -> Any:
     return SimpleNamespace(
         aggregated_metrics=metrics,
         running_replicas=running,
         current_num_replicas=len(running),
-        target_num_replicas=len(running) if target is None else target,
         total_num_requests=total,
     )
 
@@ -59,95 +58,6 @@ def test_policy_reads_engine_queue_of_running_replicas() -> None:
     ctx = _ctx({QUEUE_METRIC: {"r1": 5.0, "gone": 100.0}}, ["r1"])
     assert policy(ctx) == (3, {})
     assert policy(_ctx({}, ["r1"], total=1)) == (1, {})  # No reports yet: Serve's count.
-    # Nothing known while 2 of 3 replicas start: keep the target, don't shrink to the running.
-    assert policy(_ctx({}, ["r1"], total=None, target=3)) == (3, {})
-
-
-# --- the up/down delays, as Serve's controller applies them to our policy -------------------
-
-TICK = 0.1
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _run(
-    policy: Any, clock: _Clock, replicas: int, queue_total: float, seconds: float
-) -> tuple[int, list[tuple[float, int]]]:
-    """Serve's control loop in miniature (a tick every 0.1 s, replicas follow the target at
-    once, the decision bounded to 1..4); returns the final count and (elapsed, count) changes."""
-    from ray.serve.config import AutoscalingConfig
-
-    config = AutoscalingConfig(
-        min_replicas=1, max_replicas=4, upscale_delay_s=3, downscale_delay_s=6
-    )
-    state: dict[str, Any] = {}
-    changes, start = [], clock.now
-    for _ in range(round(seconds / TICK)):
-        clock.now += TICK
-        ids = [f"r{i}" for i in range(replicas)]
-        ctx = _ctx({QUEUE_METRIC: dict.fromkeys(ids, queue_total / replicas)}, ids)
-        ctx.__dict__.update(
-            capacity_adjusted_min_replicas=1,
-            capacity_adjusted_max_replicas=4,
-            policy_state=state,
-            current_time=clock.now,
-            config=config,
-        )
-        decision, state = policy(ctx)
-        decision = max(1, min(4, int(decision)))
-        if decision != replicas:
-            replicas = decision
-            changes.append((round(clock.now - start, 3), decision))
-    return replicas, changes
-
-
-def _serve_wrapped(policy: Any) -> Any:
-    """What Serve 2.60 runs for a deployment's policy: its own delay wrapper around it."""
-    from ray.serve.autoscaling_policy import _apply_autoscaling_config
-
-    return _apply_autoscaling_config(policy)
-
-
-def test_serve_keeps_the_delays_of_the_queue_policy(monkeypatch: pytest.MonkeyPatch) -> None:
-    clock = _Clock()
-    monkeypatch.setattr("ray.serve.autoscaling_policy.time.time", clock)
-    policy = _serve_wrapped(EngineQueuePolicy(target_queue_depth=4))
-    replicas, [(up_after, up_to)] = _run(policy, clock, 1, queue_total=12, seconds=10)
-    assert (replicas, up_to) == (3, 3) and 3 <= up_after <= 3 + 2 * TICK
-    # A dip shorter than the downscale delay changes nothing; a longer one does.
-    assert _run(policy, clock, 3, queue_total=0, seconds=5)[1] == []
-    assert _run(policy, clock, 3, queue_total=12, seconds=0.3)[1] == []
-    replicas, [(down_after, _)] = _run(policy, clock, 3, queue_total=0, seconds=10)
-    assert replicas == 1 and 6 <= down_after <= 6 + 2 * TICK
-
-
-def test_a_second_delay_of_our_own_would_stop_scaling(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Why the policy returns raw decisions: a gate of its own plus Serve's never scales (the
-    own gate lets a change through for one tick; Serve's timer starts there and answers "no
-    change"; the next tick the own gate answers "no change", which resets Serve's timer)."""
-    clock = _Clock()
-    monkeypatch.setattr("ray.serve.autoscaling_policy.time.time", clock)
-    raw = EngineQueuePolicy(target_queue_depth=4)
-    since: dict[str, float] = {}
-
-    def gated(ctx: Any) -> tuple[int, dict[str, Any]]:
-        wanted, _ = raw(ctx)
-        if wanted == ctx.current_num_replicas:
-            since.clear()
-            return wanted, {}
-        since.setdefault("t", clock())
-        if clock() - since["t"] >= 3:
-            since.clear()
-            return wanted, {}
-        return ctx.current_num_replicas, {}
-
-    assert _run(_serve_wrapped(gated), clock, 1, queue_total=12, seconds=60)[1] == []
 
 
 def test_engine_options_for_queue_depth_autoscaling() -> None:
@@ -189,12 +99,7 @@ def test_backpressure_health_and_shutdown_options() -> None:
     options = engine.deployment_options()
     assert options["max_queued_requests"] == 8
     assert options["backpressure_config"] == {"status_code": 429, "retry_after_s": 1}
-    assert "graceful_shutdown_timeout_s" not in options  # Resolved by AppConfig (below).
-    config = AppConfig.model_validate({"request_timeout_s": 120})
-    for part in (config.engine, config.router, config.preprocessor):
-        assert part.deployment_options()["graceful_shutdown_timeout_s"] == 130
-    with pytest.raises(ValidationError, match=r"router.graceful_shutdown_timeout_s 30 is below"):
-        AppConfig.model_validate({"router": {"graceful_shutdown_timeout_s": 30}})
+    assert options["graceful_shutdown_timeout_s"] == 30
     assert options["health_check_period_s"] == 5
     with pytest.raises(ValidationError):
         EngineConfig(backpressure_status=500)

@@ -2,27 +2,24 @@
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 
-from serve_app.hops import AdapterRef
-from serve_app.offline.output import PartWriter, read_rows
-from serve_app.offline.rows import (
+from serve_app.batch.output import PartWriter, read_rows
+from serve_app.batch.rows import (
     JobConfig,
     RowError,
     build_request,
     fill_template,
     load_json_schema,
-    row_adapter,
     row_messages,
     row_params,
     template_fields,
 )
-from serve_app.offline.runner import drop_done
+from serve_app.batch.runner import drop_done
 
 
 def job(**kwargs: object) -> JobConfig:
@@ -117,52 +114,70 @@ def test_part_writer_dedups_and_resumes(tmp_path: Path, fmt: str) -> None:
     assert not list((tmp_path / "out").glob(".*.tmp"))
 
 
-def test_drop_done_filters_ids_as_strings_and_bad_rows_by_error() -> None:
-    rows = [json.dumps({"id": 1}), json.dumps({"id": 2}), json.dumps({"x": 1}), None]
-    errors = [None, None, None, "in.jsonl line 4: not valid JSON"]
-    batch = pa.table(
-        [[1, 2, 3, 4], rows, errors],
-        schema=pa.schema(
-            [("__line", pa.int64()), ("__row", pa.string()), ("__error", pa.string())]
-        ),
-    )
-    kept = drop_done(batch, "id", ["2", "#in.jsonl line 4: not valid JSON"])
-    assert kept.column("__line").to_pylist() == [1, 3]
-    assert drop_done(batch, "id", []).num_rows == 4
+def test_drop_done_filters_ids_as_strings() -> None:
+    batch = pa.table({"id": [1, 2, 3, None], "prompt": ["a", "b", "c", "d"]})
+    kept = drop_done(batch, "id", ["2"])
+    assert kept.column("id").to_pylist() == [1, 3, None]
+    assert drop_done(batch, "missing", ["2"]).num_rows == 4
 
 
-def test_reader_turns_bad_lines_into_bad_rows() -> None:
-    from serve_app.offline.reader import csv_rows, jsonl_rows
-
-    jsonl = io.BytesIO(b'{"id": 1}\n\n{broken\n[1]\n\xff{}\r\n{"id": 2}')
-    rows = list(jsonl_rows(jsonl, "in.jsonl"))
-    assert [(line, text) for line, text, _ in rows if text] == [(1, '{"id": 1}'), (6, '{"id": 2}')]
-    errors = {line: error for line, _, error in rows if error}
-    assert set(errors) == {3, 4, 5} and errors[3].startswith("in.jsonl line 3: not valid JSON")
-    assert errors[5] == "in.jsonl line 5: not UTF-8 text"
-    csv_file = io.BytesIO(b'id,text,n\n1,"two\nlines",3\n2,short\n3,\xff,4\n4,,0.5\n')
-    rows = list(csv_rows(csv_file, "in.csv"))
-    good = [(line, json.loads(text)) for line, text, _ in rows if text]
-    assert good == [
-        (2, {"id": 1, "text": "two\nlines", "n": 3}),
-        (6, {"id": 4, "text": None, "n": 0.5}),
-    ]
-    assert [(line, error) for line, _, error in rows if error] == [
-        (4, "in.csv line 4: 2 fields, the header has 3"),
-        (5, "in.csv line 5: not UTF-8 text"),
-    ]
+# OpenAI Batch API: input validation and the store (no engine) ------------------------------
 
 
-def test_rows_pick_an_adapter_by_column_or_the_jobs() -> None:
-    loras = {"banana": "/adapters/banana", "zebra": "org/zebra-lora"}
-    per_row = job(loras=loras, adapter="banana", adapter_column="adapter")
-    assert per_row.app_config.lora.active and per_row.app_config.lora.adapters == loras
-    assert row_adapter(per_row, {"adapter": "zebra"}) == AdapterRef("zebra", "org/zebra-lora")
-    assert row_adapter(per_row, {"adapter": None}) == AdapterRef("banana", "/adapters/banana")
-    with pytest.raises(RowError, match="unknown adapter 'kiwi'"):
-        row_adapter(per_row, {"adapter": "kiwi"})
-    assert row_adapter(job(), {"adapter": "banana"}) is None  # No adapter column: the base.
-    with pytest.raises(ValueError, match="adapter 'kiwi' is not one of"):
-        job(loras=loras, adapter="kiwi")
-    with pytest.raises(ValueError, match="absolute directory"):
-        job(loras={"rel": "./adapters/rel"})
+def _line(custom_id: str, url: str = "/v1/chat/completions") -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": {}})
+
+
+def test_batch_input_validation_names_the_line() -> None:
+    from serve_app.batch_api import parse_input
+    from serve_app.errors import APIError
+
+    good = f"{_line('a')}\n\n{_line('b')}\n".encode()
+    assert [line["custom_id"] for line in parse_input(good, "/v1/chat/completions")] == ["a", "b"]
+    cases = {
+        f"{_line('a')}\n{{oops\n": "Line 2 .* not valid JSON",
+        f"{_line('a')}\n{_line('a')}\n": "duplicate custom_id 'a'",
+        f"{_line('a', '/v1/embeddings')}\n": "url must be",
+        "": "no requests",
+    }
+    for content, match in cases.items():
+        with pytest.raises(APIError, match=match):
+            parse_input(content.encode(), "/v1/chat/completions")
+
+
+def test_batch_store_files_pagination_and_partials(tmp_path: Path) -> None:
+    from serve_app.batch_store import BatchStore
+
+    store = BatchStore(tmp_path)
+    file = store.create_file(b"abc", "in.jsonl", "batch")
+    assert store.get_file(file["id"]) == file and store.file_content(file["id"]) == b"abc"
+    for i in range(5):
+        store.save_batch({"id": f"batch-{i}", "created_at": 100 + i, "status": "completed"})
+    store.update_batch("batch-1", status="in_progress")
+    page, more = store.list_batches(None, 2)
+    assert [b["id"] for b in page] == ["batch-4", "batch-3"] and more
+    page, more = store.list_batches("batch-3", 5)
+    assert [b["id"] for b in page] == ["batch-2", "batch-1", "batch-0"] and not more
+    assert [b["id"] for b in store.active_batches()] == ["batch-1"]
+    store.append_partial("batch-1", "output", {"custom_id": "a"})
+    with store.partial_path("batch-1", "output").open("a") as handle:
+        handle.write('{"custom_id": "b"')  # torn by a crash
+    assert store.read_partial("batch-1", "output") == [{"custom_id": "a"}]
+    store.append_partial("batch-1", "output", {"custom_id": "c"})
+    assert len(store.read_partial("batch-1", "output")) == 2
+    out = store.finish_partial("batch-1", "output", "batch_output")
+    assert out is not None and store.file_content(out).count(b"\n") == 2
+    assert store.delete_file(file["id"]) and store.get_file(file["id"]) is None
+
+
+def test_batches_made_in_one_second_list_newest_first(tmp_path: Path) -> None:
+    from serve_app.batch_store import BatchStore, new_id
+
+    store = BatchStore(tmp_path)
+    made = [new_id("batch") for _ in range(50)]
+    for batch_id in made:
+        store.save_batch({"id": batch_id, "created_at": 100, "status": "completed"})
+    page, more = store.list_batches(None, 3)
+    assert [b["id"] for b in page] == made[::-1][:3] and more
+    page, _ = store.list_batches(page[-1]["id"], 100)
+    assert [b["id"] for b in page] == made[::-1][3:]

@@ -7,16 +7,15 @@ way to make a step fail on demand.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from serve_app.batch import inproc_engine
+from serve_app.batch.inproc_engine import InProcessEngine
 from serve_app.config import AppConfig
 from serve_app.errors import APIError
-from serve_app.hops import AdapterRef, EngineRequest, SamplingSpec
-from serve_app.offline import inproc_engine
-from serve_app.offline.inproc_engine import InProcessEngine
+from serve_app.messages import EngineRequest, SamplingSpec
 
 
 class _Output:
@@ -34,25 +33,14 @@ class ScriptedEngine:
         self.waiting: list[str] = []
         self.fail_step = False
         self.aborted: list[str] = []
-        self.loras: list[Any] = []  # LoRARequests added, in order.
-        self.lora_of: dict[str, Any] = {}
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting)
 
-    def add_request(
-        self, request_id: str, prompt: Any, params: Any, priority: int = 0, lora_request: Any = None
-    ) -> None:
+    def add_request(self, request_id: str, prompt: Any, params: Any, priority: int = 0) -> None:
         if not prompt["prompt_token_ids"]:
             raise ValueError("The decoder prompt cannot be empty")
         self.waiting.append(request_id)
-        self.lora_of[request_id] = lora_request
-
-    def add_lora(self, lora_request: Any) -> bool:
-        if lora_request.lora_path.startswith("/missing"):
-            raise RuntimeError(f"No adapter found for {lora_request.lora_path}")
-        self.loras.append(lora_request)
-        return True
 
     def abort_request(self, request_ids: list[str]) -> None:
         self.aborted += request_ids
@@ -119,25 +107,3 @@ def test_build_failure_surfaces_in_the_constructor(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(inproc_engine, "_build", broken)
     with pytest.raises(OSError, match="no model"):
         InProcessEngine(AppConfig(), "unused")
-
-
-def test_rows_with_an_adapter_load_it_once_and_a_missing_one_fails_its_rows(
-    scripted: ScriptedEngine,
-) -> None:
-    engine = InProcessEngine(AppConfig(), "unused")
-    banana, missing = AdapterRef("banana", "/adapters/banana"), AdapterRef("x", "/missing/x")
-
-    async def run() -> tuple[Any, ...]:
-        requests = [
-            replace(_request(name), lora=lora)
-            for name, lora in [("a", banana), ("b", None), ("c", banana), ("d", missing)]
-        ]
-        return await asyncio.gather(*(_final(engine, r) for r in requests), return_exceptions=True)
-
-    *done, failed = asyncio.run(run())
-    assert all(steps[0].finished for steps in done)
-    assert isinstance(failed, APIError) and failed.info.status == 404
-    assert [lora.lora_name for lora in scripted.loras] == ["banana@0"]  # Once, for two rows.
-    assert scripted.lora_of["a"] is scripted.lora_of["c"] is scripted.loras[0]
-    assert scripted.lora_of["b"] is None
-    engine.shutdown()

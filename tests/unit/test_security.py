@@ -16,21 +16,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from serve_app import security
 from serve_app.config import AppConfig
-from serve_app.config.security import KeyRateLimit, RequestLimits, SecurityConfig
 from serve_app.errors import APIError
-from serve_app.ingress import keys
-from serve_app.ingress.keys import load_keys, parse_keys
-from serve_app.ingress.middleware import SecurityMiddleware, SecurityState, route_path
-from serve_app.ingress.ratelimit import (
+from serve_app.middleware import SecurityMiddleware, SecurityState, route_path
+from serve_app.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.ratelimit import (
     Decision,
     LimiterUnavailable,
     LocalRateLimiter,
     RayRateLimiter,
     SlidingWindowLimiter,
+    estimate_tokens,
 )
-from serve_app.openai import limits
-from serve_app.openai.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.security import KeyRateLimit, RequestLimits, SecurityConfig, load_keys, parse_keys
 
 KEY_A = "sk-alpha-0123456789"
 KEY_B = "sk-bravo-9876543210"
@@ -115,7 +114,7 @@ def test_compare_is_constant_time_over_every_key(monkeypatch: pytest.MonkeyPatch
         calls.append((len(a), len(b)))
         return real(a, b)
 
-    monkeypatch.setattr(keys.hmac, "compare_digest", spy)
+    monkeypatch.setattr(security.hmac, "compare_digest", spy)
     ring = load_keys(SecurityConfig(), ENV)
     for presented in (KEY_A, KEY_B, "wrong", "x" * 500):
         calls.clear()
@@ -253,11 +252,9 @@ async def test_rate_limit_is_429_with_retry_after(caplog: pytest.LogCaptureFixtu
         assert codes == [200, 200, 429, 429]
         _assert_error(limited, 429, "rate_limit_exceeded", "requests")
         assert 1 <= int(limited.headers["retry-after"]) <= 60
-        # Another key has its own budget (here: unlimited); open paths count too, against the
-        # "anonymous" budget: /health is no free way to flood the app.
+        # Another key has its own budget (here: unlimited); open paths are never counted.
         assert (await client.get("/v1/models", headers=_auth(KEY_B))).status_code == 200
-        health = [(await client.get("/health")).status_code for _ in range(3)]
-        assert health == [200, 200, 429]
+        assert (await client.get("/health")).status_code == 200
     assert "'alice'" in caplog.text and KEY_A not in caplog.text
 
 
@@ -374,6 +371,17 @@ def _done(value: Any) -> Any:
     yield  # A generator that returns at once: awaitable without an event-loop round trip.
 
 
+def test_estimate_tokens() -> None:
+    chat = b'{"messages": [{"role": "user", "content": "abcdefgh"}], "max_tokens": 5, "n": 3}'
+    assert estimate_tokens("/v1/chat/completions", chat, 1024) == 2 + 15
+    parts = b'{"messages": [{"content": [{"type": "text", "text": "abcd"}]}]}'
+    assert estimate_tokens("/v1/chat/completions", parts, 1024) == 1 + 1024
+    assert estimate_tokens("/v1/completions", b'{"prompt": [[1, 2, 3], [4]]}', 1024) == 4 + 16
+    assert estimate_tokens("/v1/completions", b"{not json", 1024) == 0
+    assert estimate_tokens("/v1/completions", b'{"prompt": "x", "n": -4}', 1024) == 1 + 16
+    assert estimate_tokens("/v1/models", b"", 1024) == 0
+
+
 # --- request shape limits --------------------------------------------------------------------
 
 LIMITS = RequestLimits(
@@ -421,10 +429,10 @@ def test_check_limits(body: dict[str, Any], param: str | None, code: str | None)
     model = ChatCompletionRequest if "messages" in body else CompletionRequest
     request = model.model_validate({k: v for k, v in body.items() if v is not None})
     if param is None:
-        limits.check_limits(request, LIMITS)
+        security.check_limits(request, LIMITS)
         return
     with pytest.raises(APIError) as error:
-        limits.check_limits(request, LIMITS)
+        security.check_limits(request, LIMITS)
     info = error.value.info
     assert (info.status, info.type, info.param) == (400, "invalid_request_error", param)
     assert info.code == (code or "string_above_max_length")
@@ -433,4 +441,4 @@ def test_check_limits(body: dict[str, Any], param: str | None, code: str | None)
 
 def test_default_limits_allow_what_the_protocol_allows() -> None:
     request = ChatCompletionRequest.model_validate({**CHAT, "n": 16, "max_tokens": 10**6})
-    limits.check_limits(request, RequestLimits())
+    security.check_limits(request, RequestLimits())
