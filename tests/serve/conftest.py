@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,11 +38,29 @@ def base_url() -> Iterator[str]:
     # A smaller KV cache than `make serve` keeps room for a second engine (tiny-qwen2); every
     # test runs with tracing on (in-memory spans), so tracing is exercised on every path.
     overrides = {"engine": {"kv_cache_space_gib": 1}, "tracing": {"exporter": "memory"}}
-    urls = start(config, port=_free_port(), overrides=overrides)
-    wait_ready(urls[0], timeout_s=600)
-    yield urls[0]
-    serve.shutdown()
-    ray.shutdown()
+    try:
+        urls = start(config, port=_free_port(), overrides=overrides)
+        wait_ready(urls[0], timeout_s=600)
+        yield urls[0]
+    finally:  # Also when start-up or a test failed: nothing left for the next tier.
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+        _reap_children()
+
+
+def _reap_children() -> None:
+    """Ends what Ray or vLLM left behind under this pytest process (a replica's engine core)."""
+    import psutil
+
+    leftovers = psutil.Process().children(recursive=True)
+    for process in leftovers:
+        with contextlib.suppress(psutil.Error):
+            process.terminate()
+    _, alive = psutil.wait_procs(leftovers, timeout=10)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
 
 
 @pytest.fixture(scope="session")

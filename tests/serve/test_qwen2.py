@@ -34,10 +34,12 @@ def qwen_client(base_url: str) -> Iterator[OpenAI]:
             "router": {"num_cpus": 0.05},
         }
     )
-    serve.run(app, name="qwen", route_prefix="/qwen", blocking=False)
-    wait_ready(f"{base_url}/qwen", timeout_s=600)
-    yield OpenAI(base_url=f"{base_url}/qwen/v1", api_key="unused", max_retries=0, timeout=120)
-    serve.delete("qwen")
+    try:
+        serve.run(app, name="qwen", route_prefix="/qwen", blocking=False)
+        wait_ready(f"{base_url}/qwen", timeout_s=600)
+        yield OpenAI(base_url=f"{base_url}/qwen/v1", api_key="unused", max_retries=0, timeout=120)
+    finally:  # Also when the deploy or a test failed.
+        serve.delete("qwen")
 
 
 def test_qwen2_chat_uses_the_chatml_template(qwen_client: OpenAI) -> None:

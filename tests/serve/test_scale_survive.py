@@ -91,9 +91,10 @@ def _body(max_tokens: int, i: int = 0, **extra: Any) -> dict[str, Any]:
 def survive(base_url: str) -> Iterator[str]:
     from ray import serve
 
-    url = _deploy(base_url, "survive", SURVIVE)
-    yield url
-    serve.delete("survive")
+    try:
+        yield _deploy(base_url, "survive", SURVIVE)
+    finally:  # Also when the deploy or a test failed.
+        serve.delete("survive")
 
 
 async def _one(http: httpx.AsyncClient, url: str, i: int) -> tuple[int, dict[str, str], str]:

@@ -53,20 +53,26 @@ def secure_url(base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
             "limits": {"max_n": 2, "max_tokens_cap": 64},
         },
     }
+    try:
+        yield _deploy_secure(args, f"{base_url}/secure")
+    finally:  # Also when the deploy or a test failed.
+        serve.delete("secure")
+
+
+def _deploy_secure(args: dict[str, Any], url: str) -> str:
+    from ray import serve
+
     serve.run(build_app(args), name="secure", route_prefix="/secure", blocking=False)
-    url = f"{base_url}/secure"
     deadline = time.monotonic() + 600
     while True:
         try:
             response = httpx.get(f"{url}/v1/models", headers=_auth(ADMIN), timeout=10)
             if response.status_code == 200:
-                break
+                return url
         except httpx.HTTPError:
             pass
         assert time.monotonic() < deadline, "secure app not ready after 600 s"
         time.sleep(1)
-    yield url
-    serve.delete("secure")
 
 
 def _auth(key: str) -> dict[str, str]:
