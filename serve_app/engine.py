@@ -219,7 +219,10 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        params = to_sampling_params(request)
+        try:
+            params = to_sampling_params(request)
+        except (ValueError, VLLMClientError) as exc:  # vLLM's checks we did not pre-empt.
+            raise APIError(str(exc), param=getattr(exc, "parameter", None)) from exc
         stream = self._llm.generate(
             TokensPrompt(prompt_token_ids=request.prompt_token_ids),
             params,

@@ -8,6 +8,8 @@ replica process, and the middleware reads it per request.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -98,6 +100,37 @@ async def _send_error(
     await send({"type": "http.response.body", "body": body})
 
 
+# Before a 413 the rest of the body is read and dropped, within bounds: a server that closes
+# its socket with request bytes unread makes the kernel send a reset, which can destroy the 413
+# before the client reads it (the client sees "peer closed connection" instead of the error).
+DRAIN_MAX_BYTES = 64 * 1024 * 1024
+DRAIN_MAX_S = 10.0
+
+
+async def _drain(receive: Receive, limit_bytes: int = DRAIN_MAX_BYTES) -> None:
+    """Read and drop what is left of the request body, up to ``limit_bytes`` or DRAIN_MAX_S."""
+    drained = 0
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(DRAIN_MAX_S):
+            while drained <= limit_bytes:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                drained += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    return
+
+
+async def _reject_declared_too_large(
+    scope: Scope, receive: Receive, send: Send, limit: int, declared: int
+) -> None:
+    """Answer 413; drain the body first unless it is huge or not sent yet (100-continue)."""
+    waits_for_continue = (_header(scope, b"expect") or b"").lower() == b"100-continue"
+    if not waits_for_continue and declared <= DRAIN_MAX_BYTES:
+        await _drain(receive)
+    await _send_error(send, _too_large(limit), [(b"connection", b"close")])
+
+
 def _too_large(limit: int) -> ErrorInfo:
     return ErrorInfo(
         f"Request body too large: the limit is {limit} bytes.",
@@ -170,7 +203,7 @@ class SecurityMiddleware:
         """The whole body, or None after a 413 (or a client that went away)."""
         declared = _header_int(_header(scope, b"content-length"))
         if declared is not None and declared > limit:
-            await _send_error(send, _too_large(limit), [(b"connection", b"close")])
+            await _reject_declared_too_large(scope, receive, send, limit, declared)
             return None
         chunks: list[bytes] = []
         size = 0
@@ -181,6 +214,8 @@ class SecurityMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:  # Chunked uploads have no Content-Length: count as they come.
+                if message.get("more_body", False):
+                    await _drain(receive)
                 await _send_error(send, _too_large(limit), [(b"connection", b"close")])
                 return None
             chunks.append(chunk)

@@ -7,7 +7,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from serve_app.errors import APIError
 from serve_app.messages import SamplingSpec
+
+# vLLM samples greedily below this temperature, and then refuses n > 1.
+GREEDY_TEMPERATURE = 1e-5
 
 logger = logging.getLogger("serve_app.protocol")
 _warned_fields: set[str] = set()
@@ -109,10 +113,17 @@ class SamplingFields(OpenAIModel):
 
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         top_k = pick(self.top_k, defaults.top_k, 0)
+        temperature = pick(self.temperature, defaults.temperature, 1.0)
+        if self.n > 1 and temperature < GREEDY_TEMPERATURE:
+            raise APIError(
+                f"n must be 1 with greedy sampling (temperature {temperature}), got {self.n}: "
+                "n greedy choices would all be the same text.",
+                param="n",
+            )
         return SamplingSpec(
             n=self.n,
             max_tokens=pick(max_tokens, defaults.max_tokens, None),
-            temperature=pick(self.temperature, defaults.temperature, 1.0),
+            temperature=temperature,
             top_p=pick(self.top_p, defaults.top_p, 1.0),
             top_k=0 if top_k == -1 else top_k,
             min_p=self.min_p or 0.0,

@@ -91,6 +91,7 @@ CASES: list[Any] = [
     _c("huge-max-tokens", ch(max_tokens=10**30), 400, "max_tokens", CL),
     _c("huge-n", ch(n=10**20), 400, "n", IV),
     _c("zero-n", co(n=0), 400, "n", IV),
+    _c("greedy-n", co(n=2, temperature=0, prompt=["a", "b"]), 400, "n", None),
     _c("huge-seed", ch(seed=2**64), 400, "seed", IV),
     _c("negative-temperature", ch(temperature=-0.1), 400, "temperature", IV),
     _c("top-p-above-1", co(top_p=1.5), 400, "top_p", IV),

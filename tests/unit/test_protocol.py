@@ -7,6 +7,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
+from serve_app.errors import APIError
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest, GenerationDefaults
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -25,6 +26,24 @@ def test_precedence_request_then_server_default_then_openai() -> None:
     request = ChatCompletionRequest.model_validate({**CHAT, "temperature": 0, "max_tokens": 7})
     spec = request.to_sampling_spec(defaults)
     assert spec.temperature == 0 and spec.max_tokens == 7
+
+
+@pytest.mark.parametrize(
+    ("request_temperature", "server_default"), [(0, None), (None, 0.0), (1e-6, 0.7)]
+)
+def test_several_greedy_choices_are_a_400_on_n(
+    request_temperature: float | None, server_default: float | None
+) -> None:
+    """vLLM refuses n > 1 at temperature 0 inside the engine: answer 400 before that, on n."""
+    body = {**CHAT, "n": 2, "temperature": request_temperature}
+    request = ChatCompletionRequest.model_validate(body)
+    with pytest.raises(APIError) as caught:
+        request.to_sampling_spec(GenerationDefaults(temperature=server_default))
+    assert (caught.value.info.status, caught.value.info.param) == (400, "n")
+    sampled = CompletionRequest.model_validate(
+        {"model": "m", "prompt": "hi", "n": 2, "temperature": 0.7}
+    )
+    assert sampled.to_sampling_spec(GenerationDefaults()).n == 2
 
 
 def test_max_completion_tokens_wins_over_deprecated_max_tokens() -> None:

@@ -15,11 +15,17 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Message, Scope
 
 from serve_app import security
 from serve_app.config import AppConfig
 from serve_app.errors import APIError
-from serve_app.middleware import SecurityMiddleware, SecurityState, route_path
+from serve_app.middleware import (
+    DRAIN_MAX_BYTES,
+    SecurityMiddleware,
+    SecurityState,
+    route_path,
+)
 from serve_app.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.ratelimit import (
     Decision,
@@ -442,3 +448,59 @@ def test_check_limits(body: dict[str, Any], param: str | None, code: str | None)
 def test_default_limits_allow_what_the_protocol_allows() -> None:
     request = ChatCompletionRequest.model_validate({**CHAT, "n": 16, "max_tokens": 10**6})
     security.check_limits(request, RequestLimits())
+
+
+class _Upload:
+    """An ASGI receive/send pair that records whether the 413 came before the body was read."""
+
+    def __init__(self, chunks: int, chunk_bytes: int) -> None:
+        self.left = chunks
+        self.chunk = b"z" * chunk_bytes
+        self.unread_at_response: int | None = None
+        self.status: int | None = None
+
+    async def receive(self) -> Message:
+        self.left -= 1
+        return {"type": "http.request", "body": self.chunk, "more_body": self.left > 0}
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            self.unread_at_response = self.left
+
+
+def _scope(headers: list[tuple[bytes, bytes]]) -> Scope:
+    return {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "root_path": "",
+        "headers": [(b"authorization", f"Bearer {KEY_A}".encode()), *headers],
+    }
+
+
+@pytest.mark.parametrize("declared", [True, False])
+async def test_oversized_body_is_read_before_the_413(declared: bool) -> None:
+    """Closing with request bytes unread resets the connection and can destroy the 413."""
+    upload = _Upload(chunks=40, chunk_bytes=100)
+    length = [(b"content-length", b"4000")] if declared else []
+    state = SecurityState(SecurityConfig(max_body_bytes=1024), load_keys(SecurityConfig(), ENV))
+    middleware = SecurityMiddleware(Starlette(routes=[]), state=state)
+    await middleware(_scope(length), upload.receive, upload.send)
+    assert (upload.status, upload.unread_at_response) == (413, 0)
+
+
+async def test_oversized_body_is_not_pulled_when_huge_or_awaiting_continue() -> None:
+    config = SecurityConfig(max_body_bytes=1024)
+    middleware = SecurityMiddleware(
+        Starlette(routes=[]), state=SecurityState(config, load_keys(config, ENV))
+    )
+    huge = _Upload(chunks=40, chunk_bytes=100)
+    await middleware(
+        _scope([(b"content-length", b"%d" % (10 * DRAIN_MAX_BYTES))]), huge.receive, huge.send
+    )
+    assert (huge.status, huge.unread_at_response) == (413, 40)
+    waiting = _Upload(chunks=40, chunk_bytes=100)
+    headers = [(b"content-length", b"4000"), (b"expect", b"100-continue")]
+    await middleware(_scope(headers), waiting.receive, waiting.send)
+    assert (waiting.status, waiting.unread_at_response) == (413, 40)
