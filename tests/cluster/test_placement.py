@@ -36,13 +36,15 @@ def gpu_cluster() -> Iterator[None]:
     from ray import serve
 
     ray.init(address="local", num_cpus=4, num_gpus=4, include_dashboard=False)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield
-    serve.shutdown()
-    ray.shutdown()
+    try:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield
+    finally:  # Also when start-up or a test failed.
+        serve.shutdown()
+        ray.shutdown()
 
 
 def test_engine_placement_group_matches_config(gpu_cluster: None) -> None:
