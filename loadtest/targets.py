@@ -35,7 +35,7 @@ TARGETS = ("ours", "vllm", "rayllm", "asyncllm")
 def app_args(engine: dict[str, Any], model: str = MODEL, max_model_len: int = 4096) -> dict:
     """The ``args`` block of our Serve config: the pinned engine settings, small replicas."""
     return {
-        "model": {"name": model, "max_model_len": max_model_len, "dtype": "bfloat16"},
+        "model": {"name": model, "max_model_len": max_model_len, "dtype": "auto"},
         "engine": {"device": "cpu", "cpu_threads_bind": "auto", "num_cpus": 0.5} | engine,
         "preprocessor": {"num_cpus": 0.1, "batch_wait_timeout_s": 0.01, "max_batch_size": 32},
         "router": {"num_cpus": 0.1},

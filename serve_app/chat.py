@@ -67,7 +67,7 @@ def _tool_delta(
     if finish_reason is not None:
         tail, more = stream.finish()
         content, calls = (content or "") + (tail or "") or None, calls + more
-        if stream.calls:
+        if stream.calls and finish_reason == "stop":  # A call cut by max_tokens stays "length".
             finish_reason = "tool_calls"
     return DeltaMessage(content=content, tool_calls=calls or None), finish_reason
 
@@ -134,7 +134,7 @@ async def _collect(
         for i in range(n)
     ]
     for choice in choices:
-        if choice.message.tool_calls:
+        if choice.message.tool_calls and choice.finish_reason == "stop":
             choice.finish_reason = "tool_calls"
     return ChatCompletionResponse(
         id=prepared.request_id,

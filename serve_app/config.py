@@ -34,7 +34,7 @@ class ModelConfig(_Strict):
         None, ge=16, description="Context window (prompt + completion). Default: the model's."
     )
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
-        "auto", description="Weight and activation dtype."
+        "auto", description="Weight dtype; auto: the checkpoint's, float32 on CPUs without bf16."
     )
     rope_scaling: dict[str, Any] | None = Field(
         None,

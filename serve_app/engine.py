@@ -16,6 +16,7 @@ from serve_app.config import AppConfig
 from serve_app.engine_watchdog import EngineWatchdog
 from serve_app.errors import APIError
 from serve_app.messages import EngineChunk, EngineRequest, EngineStep, TokenLogprob, TopLogprob
+from serve_app.models.cpu_features import native_bf16
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -45,7 +46,7 @@ def engine_args(config: AppConfig, model_path: str) -> dict[str, Any]:
     args: dict[str, Any] = {
         "model": model_path,
         "served_model_name": model.public_name,
-        "dtype": model.dtype,
+        "dtype": resolved_dtype(model.dtype, engine.resolved_device()),
         "max_model_len": model.max_model_len,
         "trust_remote_code": model.trust_remote_code,
         "tensor_parallel_size": engine.tensor_parallel_size,
@@ -74,6 +75,14 @@ def engine_args(config: AppConfig, model_path: str) -> dict[str, Any]:
     if model.rope_scaling:
         args["hf_overrides"] = {"rope_scaling": model.rope_scaling}
     return {key: value for key, value in args.items() if value is not None}
+
+
+def resolved_dtype(dtype: str, device: str, cpu_flags: set[str] | None = None) -> str:
+    """``auto`` on a CPU without native bf16 is float32: there vLLM's auto (the checkpoint's
+    bf16) runs emulated matmuls about 6x slower than fp32. An explicit dtype always stands."""
+    if dtype != "auto" or device != "cpu":
+        return dtype
+    return "float32" if native_bf16(cpu_flags) is False else dtype
 
 
 def vllm_engine_args(args: dict[str, Any], cls: type[Any], **extra: Any) -> Any:

@@ -107,12 +107,12 @@ DRAIN_MAX_BYTES = 64 * 1024 * 1024
 DRAIN_MAX_S = 10.0
 
 
-async def _drain(receive: Receive, limit_bytes: int = DRAIN_MAX_BYTES) -> None:
-    """Read and drop what is left of the request body, up to ``limit_bytes`` or DRAIN_MAX_S."""
+async def _drain(receive: Receive) -> None:
+    """Read and drop what is left of the request body, up to DRAIN_MAX_BYTES or DRAIN_MAX_S."""
     drained = 0
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(DRAIN_MAX_S):
-            while drained <= limit_bytes:
+            while drained <= DRAIN_MAX_BYTES:
                 message = await receive()
                 if message["type"] != "http.request":
                     return

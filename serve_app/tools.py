@@ -53,11 +53,24 @@ def parse_forced(text: str, choice: ToolChoice) -> list[ToolCallOut]:
     """Calls from output constrained by a named tool_choice (arguments) or required (a list)."""
     if isinstance(choice, NamedToolChoice):
         return [_call(choice.function.name, text)]
-    try:
-        items = json.loads(text)
-    except ValueError:
-        return []  # Cut off by max_tokens: no complete call to report.
-    return [_call(item["name"], item.get("arguments", {})) for item in items]
+    return [_call(item["name"], item.get("arguments", {})) for item in _complete_items(text)]
+
+
+def _complete_items(text: str) -> list[dict[str, Any]]:
+    """The items of a JSON array that are complete, also when max_tokens cut the array short
+    (the grammar does not bound how many calls a model lists)."""
+    decoder, items = json.JSONDecoder(), []
+    index = text.find("[") + 1
+    while index > 0:
+        while index < len(text) and text[index] in " \t\r\n,":
+            index += 1
+        try:
+            item, index = decoder.raw_decode(text, index)
+        except ValueError:
+            break  # The closing "]" or a call cut off mid-way.
+        if isinstance(item, dict) and isinstance(item.get("name"), str):
+            items.append(item)
+    return items
 
 
 class ToolStream:

@@ -33,7 +33,7 @@ def secure_url(base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
     keys.write_text(f"admin:{ADMIN}\nlimited:{LIMITED}\ntokens:{TOKENS}\n")
     keys.chmod(0o600)
     args: dict[str, Any] = {
-        "model": {"name": MODEL, "max_model_len": 2048, "dtype": "bfloat16"},
+        "model": {"name": MODEL, "max_model_len": 2048, "dtype": "auto"},
         "engine": {
             "device": "cpu",
             "enforce_eager": True,

@@ -6,6 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from serve_app.config import AppConfig, EngineConfig, ReplicaConfig
+from serve_app.engine import engine_args, resolved_dtype
+from serve_app.models.cpu_features import host_cpu_flags
 from serve_app.preprocess import derive_max_model_len
 
 
@@ -95,3 +97,27 @@ def test_build_app_names_the_fix_for_a_too_long_context() -> None:
         )
     with pytest.raises(ValueError, match=r"model.name: .*smollm2-135m-instruct"):
         check_model(AppConfig.model_validate({"model": {"name": "no-such-alias"}}))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "device", "flags", "expected"),
+    [
+        ("auto", "cpu", {"avx2", "fma"}, "float32"),  # AVX2 only: emulated bf16 is slow.
+        ("auto", "cpu", {"avx2", "avx512f", "avx512_bf16"}, "auto"),
+        ("auto", "cpu", {"avx2", "amx_bf16", "amx_tile"}, "auto"),
+        ("auto", "cpu", {"asimd", "bf16"}, "auto"),  # Arm.
+        ("auto", "cpu", set(), "auto"),  # Flags unknown: vLLM decides.
+        ("bfloat16", "cpu", {"avx2"}, "bfloat16"),  # An explicit choice stands.
+        ("auto", "gpu", {"avx2"}, "auto"),
+    ],
+)
+def test_auto_dtype_on_a_cpu_follows_its_bf16_support(
+    dtype: str, device: str, flags: set[str], expected: str
+) -> None:
+    assert resolved_dtype(dtype, device, flags) == expected
+
+
+def test_engine_args_resolve_auto_dtype_for_this_host() -> None:
+    config = AppConfig.model_validate({"engine": {"device": "cpu"}})
+    assert engine_args(config, "/m")["dtype"] == resolved_dtype("auto", "cpu", host_cpu_flags())
+    assert host_cpu_flags()  # Linux CI: /proc/cpuinfo names the flags.

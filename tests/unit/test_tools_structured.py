@@ -52,6 +52,9 @@ def test_parse_forced_named_and_required() -> None:
     )
     assert [c.function.name for c in calls] == ["a", "b"]
     assert parse_forced('[{"name": "a", "argu', "required") == []
+    # Cut off by max_tokens after a complete call: the complete calls are still reported.
+    cut = parse_forced('[{"name": "a", "arguments": {"x": 1}},\n {"name": "a", "argu', "required")
+    assert [(c.function.name, c.function.arguments) for c in cut] == [("a", '{"x": 1}')]
 
 
 @pytest.mark.parametrize("pieces", [[CALL], list(CALL), ["Sure. <tool", "_call>", CALL[11:]]])
