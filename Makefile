@@ -12,8 +12,8 @@ LOCK := constraints.txt
 CONFIG ?= serve_config.cpu.yaml
 BENCH_ARGS ?=
 
-.PHONY: install models serve test test-unit test-batch test-serve test-cluster lint bench \
-	gpu-check clean lock lock-check ci
+.PHONY: install models serve test test-unit test-offline test-batch test-serve test-cluster \
+	lint bench gpu-check clean lock lock-check ci
 
 install: $(STAMP)
 
@@ -61,7 +61,7 @@ serve: models
 
 # One pytest process per tier: each tier's engines, Ray clusters and in-process vLLM memory
 # are gone before the next starts. Every tier runs; the target fails if any did.
-TIERS := tests/unit tests/batch tests/cluster tests/serve
+TIERS := tests/unit tests/offline tests/cluster tests/serve
 # The slowest tests and a one-line reason per failure or error, at the end of each tier.
 PYTEST_ARGS ?= --durations=25 -rfE
 
@@ -76,8 +76,11 @@ test: models
 test-unit: install
 	$(PY) -m pytest tests/unit
 
-test-batch: models
-	$(PY) -m pytest tests/batch
+test-offline: models
+	$(PY) -m pytest tests/offline
+
+# Old name of test-offline, kept for one release.
+test-batch: test-offline
 
 test-serve: models
 	$(PY) -m pytest tests/serve

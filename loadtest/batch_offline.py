@@ -1,6 +1,6 @@
 """Offline throughput on one corpus: our Ray Data job vs ``vllm.LLM.generate`` vs ``ray.data.llm``.
 
-Same model, same engine arguments (``serve_app.engine.engine_args``), same prompts and
+Same model, same engine arguments (``serve_app.engine.vllm_engine.engine_args``), same prompts and
 per-row max_tokens, measured side by side in one run:
 ``python -m loadtest.batch_offline --rows 1000 --config serve_config.cpu.yaml --repeats 3``.
 
@@ -78,8 +78,8 @@ class Result:
 
 
 def run_ours(corpus: Path, config_path: str | None, batch_size: int, launched: float) -> Result:
-    from serve_app.batch import JobConfig, run_job
-    from serve_app.batch.__main__ import app_config
+    from serve_app.offline import JobConfig, run_job
+    from serve_app.offline.__main__ import app_config
 
     with tempfile.TemporaryDirectory() as out:
         job = JobConfig(
@@ -90,15 +90,15 @@ def run_ours(corpus: Path, config_path: str | None, batch_size: int, launched: f
             app_config=app_config(config_path),
             progress=False,
         )
-        summary = run_job(job)  # Starts its own local Ray, as `python -m serve_app.batch` does.
+        summary = run_job(job)  # Starts its own local Ray, as `python -m serve_app.offline` does.
     seconds = time.time() - launched
-    return Result("serve_app.batch", summary.rows, summary.completion_tokens, seconds)
+    return Result("serve_app.offline", summary.rows, summary.completion_tokens, seconds)
 
 
 def _engine_env(config_path: str | None) -> tuple[Any, dict[str, Any]]:
-    from serve_app.batch.__main__ import app_config
-    from serve_app.engine import engine_args
+    from serve_app.engine.vllm_engine import engine_args
     from serve_app.models import resolve_model
+    from serve_app.offline.__main__ import app_config
 
     config = app_config(config_path)
     os.environ.update(config.engine.runtime_env_vars())
@@ -242,10 +242,10 @@ def main() -> None:
     base = next((r for r in results if r.name == "vllm.LLM.chat"), None)
     for result in results:
         print(result.line(base if result is not base else None))
-    ours = next((r for r in results if r.name == "serve_app.batch"), None)
+    ours = next((r for r in results if r.name == "serve_app.offline"), None)
     for other in results:
         if ours is not None and other is not ours:
-            print(f"serve_app.batch / {other.name}: {ours.tok_s / other.tok_s:.2f}x")
+            print(f"serve_app.offline / {other.name}: {ours.tok_s / other.tok_s:.2f}x")
 
 
 if __name__ == "__main__":

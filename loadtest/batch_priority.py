@@ -27,7 +27,7 @@ from typing import Any
 from loadtest.client import RequestRecord, make_http, percentile, stream_chat
 
 ROOT = Path(__file__).resolve().parents[1]
-BATCH_PRIORITY = 100  # What the Batch API uses (serve_app.batch.service.BATCH_PRIORITY).
+BATCH_PRIORITY = 100  # What the Batch API uses (serve_app.batch_api.service.BATCH_PRIORITY).
 PROBE_QUESTIONS = [
     "What is the capital of France? Answer in one word.",
     "Name a primary colour. Answer in one word.",

@@ -21,7 +21,7 @@ from loadtest.suite import Phase, run_phases
 
 
 def sampling(body: dict[str, Any]) -> Any:
-    from serve_app.messages import SamplingSpec, StructuredSpec
+    from serve_app.hops import SamplingSpec, StructuredSpec
 
     structured = None
     fmt = body.get("response_format") or {}
@@ -36,7 +36,7 @@ def sampling(body: dict[str, Any]) -> Any:
 
 
 def make_send(engine: Any, preprocessor: Any) -> Send:
-    from serve_app.messages import EngineRequest, PreprocessRequest
+    from serve_app.hops import EngineRequest, PreprocessRequest
 
     counter = iter(range(1 << 62))
 
@@ -86,9 +86,9 @@ def make_send(engine: Any, preprocessor: Any) -> Send:
 
 async def run(job: dict[str, Any]) -> dict[str, Any]:
     from serve_app.config import AppConfig
-    from serve_app.engine import VLLMEngine
+    from serve_app.engine.vllm_engine import VLLMEngine
     from serve_app.models import resolve_model
-    from serve_app.preprocess import Preprocessor
+    from serve_app.preprocess.preprocessor import Preprocessor
 
     config = AppConfig.model_validate(job["app_args"])
     os.environ.update(config.engine.runtime_env_vars())

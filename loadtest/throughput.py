@@ -68,10 +68,10 @@ async def run_async_llm(
     """The limit: the same engine in this process, fed token ids, no HTTP and no Ray."""
     import os
 
-    from serve_app.engine import VLLMEngine
-    from serve_app.messages import EngineRequest, PreprocessRequest, SamplingSpec
+    from serve_app.engine.vllm_engine import VLLMEngine
+    from serve_app.hops import EngineRequest, PreprocessRequest, SamplingSpec
     from serve_app.models import resolve_model
-    from serve_app.preprocess import Preprocessor
+    from serve_app.preprocess.preprocessor import Preprocessor
 
     os.environ.update(config.engine.runtime_env_vars())
     path = resolve_model(config.model.name)
@@ -107,7 +107,7 @@ async def run_async_llm(
 
 
 async def worker_once(engine: Any, prompt_ids: Any, spec: Any) -> None:
-    from serve_app.messages import EngineRequest
+    from serve_app.hops import EngineRequest
 
     async for _ in engine.generate(EngineRequest(f"warm-{time.time_ns()}", prompt_ids, spec)):
         pass

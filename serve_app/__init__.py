@@ -24,6 +24,6 @@ __all__ = [
 
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     """Build the Router → Preprocessor → Engine application (imports Ray lazily)."""
-    from serve_app.builder import build_app as _build
+    from serve_app.app import build_app as _build
 
     return _build(args)

@@ -11,10 +11,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from serve_app.autoscaling import EngineAutoscalingConfig, autoscaling_config, replica_env
-from serve_app.cpu_pinning import ThreadsBind
-from serve_app.protocol.common import GenerationDefaults
-from serve_app.security import SecurityConfig
+from serve_app.engine.autoscaling import EngineAutoscalingConfig, autoscaling_config, replica_env
+from serve_app.engine.cpu_pinning import ThreadsBind
+from serve_app.ingress.keys import SecurityConfig
+from serve_app.openai.protocol.common import GenerationDefaults
 
 
 class _Strict(BaseModel):

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import yaml
 
-from serve_app import cpu_pinning
+from serve_app.engine import cpu_pinning
 
 
 def load_serve_config(path: str | Path) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Placement: the production config's engine placement group, on logical GPUs only.
 
 A local Ray cluster advertises 4 logical GPUs (none exist). The Engine deployment's options,
-exactly as ``serve_app.builder.engine_options`` produces them for ``serve_config.yaml`` (TP=4),
+exactly as ``serve_app.app.engine_options`` produces them for ``serve_config.yaml`` (TP=4),
 are deployed on a stand-in class (no vLLM, no GPU), and the placement group Serve reserves is
 read back from Ray. A config the cluster cannot place (TP=8 on 4 GPUs) fails at build time.
 """
@@ -51,7 +51,7 @@ def test_engine_placement_group_matches_config(gpu_cluster: None) -> None:
     from ray import serve
     from ray.util import placement_group_table
 
-    from serve_app.builder import engine_options
+    from serve_app.app import engine_options
 
     config = _production()
     assert config.engine.tensor_parallel_size == 4

@@ -2,7 +2,7 @@
 
 The Batch API router runs in a standalone FastAPI app over an ``OpenAIServing`` backed by the
 same ``Preprocessor`` and ``VLLMEngine`` the Serve graph uses (no Serve, so it does not depend
-on how serve_app/router.py wires it); the last test checks the Serve app once it is wired.
+on how serve_app/ingress/router.py wires it); the last test checks the Serve app once it is wired.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from openai import BadRequestError, NotFoundError, OpenAI
 
-from serve_app import batch_api
-from serve_app.batch_store import BatchStore
+from serve_app.batch_api import routes as batch_api
+from serve_app.batch_api.store import BatchStore
 from serve_app.config import AppConfig
 from serve_app.errors import APIError, ErrorInfo
-from serve_app.messages import EngineRequest, EngineStep, PreprocessRequest, PreprocessResult
-from serve_app.serving import OpenAIServing
+from serve_app.hops import EngineRequest, EngineStep, PreprocessRequest, PreprocessResult
+from serve_app.openai.serving import OpenAIServing
 
 MODEL = "smollm2-135m-instruct"
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,10 +45,10 @@ def batch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str
 
     import uvicorn
 
-    from serve_app.batch.__main__ import app_config
-    from serve_app.engine import VLLMEngine
+    from serve_app.engine.vllm_engine import VLLMEngine
     from serve_app.models import resolve_model
-    from serve_app.preprocess import Preprocessor
+    from serve_app.offline.__main__ import app_config
+    from serve_app.preprocess.preprocessor import Preprocessor
 
     config: AppConfig = app_config(str(ROOT / "serve_config.cpu.yaml"))
     config.engine.kv_cache_space_gib = 1
@@ -236,7 +236,7 @@ def test_resume_after_restart(bclient: OpenAI, batch_server: tuple[str, Path]) -
 
 def test_wired_into_the_serve_app(base_url: str, client: OpenAI) -> None:
     if httpx.get(f"{base_url}/v1/batches", timeout=30).status_code == 404:
-        pytest.skip("batch_api is not wired into serve_app/router.py yet")
+        pytest.skip("batch_api is not wired into serve_app/ingress/router.py yet")
     upload = client.files.create(file=("in.jsonl", jsonl([chat_line("w", "Hi")])), purpose="batch")
     batch = client.batches.create(
         input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"

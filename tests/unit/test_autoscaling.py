@@ -11,17 +11,17 @@ import pytest
 from pydantic import ValidationError
 from ray.serve.exceptions import BackPressureError
 
-from serve_app.autoscaling import (
+from serve_app.app import check_placement
+from serve_app.config import AppConfig, EngineConfig
+from serve_app.engine.autoscaling import (
     POLICY_PATH,
     QUEUE_METRIC,
     EngineAutoscalingConfig,
     EngineQueuePolicy,
     desired_replicas,
 )
-from serve_app.builder import check_placement
-from serve_app.config import AppConfig, EngineConfig
-from serve_app.deployments import bounded_stream
 from serve_app.errors import APIError
+from serve_app.ingress.handles import bounded_stream
 
 
 @pytest.mark.parametrize(

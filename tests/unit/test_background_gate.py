@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from serve_app.background_gate import BackgroundGate
 from serve_app.config import EngineConfig
+from serve_app.engine.background_gate import BackgroundGate
 
 
 async def _hold(

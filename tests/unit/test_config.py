@@ -6,9 +6,9 @@ import pytest
 from pydantic import ValidationError
 
 from serve_app.config import AppConfig, EngineConfig, ReplicaConfig
-from serve_app.engine import engine_args, resolved_dtype
+from serve_app.engine.vllm_engine import engine_args, resolved_dtype
 from serve_app.models.cpu_features import host_cpu_flags
-from serve_app.preprocess import derive_max_model_len
+from serve_app.preprocess.preprocessor import derive_max_model_len
 
 
 def test_defaults_are_valid() -> None:
@@ -89,7 +89,7 @@ def test_max_model_len_beyond_the_model_names_the_fix() -> None:
 
 
 def test_build_app_names_the_fix_for_a_too_long_context() -> None:
-    from serve_app.builder import check_model
+    from serve_app.app import check_model
 
     with pytest.raises(ValueError, match=r"exceeds the model.s 4096; lower it or set"):
         check_model(

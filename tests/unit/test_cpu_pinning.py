@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from serve_app import cpu_pinning
+from serve_app.engine import cpu_pinning
 
 
 def test_split_keeps_the_last_core_for_ray() -> None:

@@ -24,7 +24,7 @@ def test_dashboard_queries_known_metrics() -> None:
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     names = {n for e in exprs for n in re.findall(r"\b(ray_[a-z_]+)", e)}
     assert names >= OURS
-    metrics_source = (ROOT / "serve_app/metrics.py").read_text()
+    metrics_source = (ROOT / "serve_app/observability/metrics.py").read_text()
     for name in names:
         if name.startswith("ray_serve_app_"):
             base = re.sub(r"_(bucket|total)$", "", name.removeprefix("ray_"))

@@ -11,7 +11,7 @@ from typing import Any
 
 import psutil
 
-from serve_app import engine_watchdog
+from serve_app.engine import watchdog as engine_watchdog
 
 
 def test_dead_core_fails_in_flight_requests(monkeypatch: Any) -> None:

@@ -1,6 +1,6 @@
 """The in-process engine's thread protocol with a scripted engine (no vLLM, no Ray).
 
-The real engine is exercised in tests/batch/test_inproc_engine.py; a scripted one is the only
+The real engine is exercised in tests/offline/test_inproc_engine.py; a scripted one is the only
 way to make a step fail on demand.
 """
 
@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from serve_app.batch import inproc_engine
-from serve_app.batch.inproc_engine import InProcessEngine
 from serve_app.config import AppConfig
 from serve_app.errors import APIError
-from serve_app.messages import EngineRequest, SamplingSpec
+from serve_app.hops import EngineRequest, SamplingSpec
+from serve_app.offline import inproc_engine
+from serve_app.offline.inproc_engine import InProcessEngine
 
 
 class _Output:

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from serve_app.errors import APIError
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest, GenerationDefaults
+from serve_app.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerationDefaults
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

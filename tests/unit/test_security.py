@@ -17,17 +17,23 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Message, Scope
 
-from serve_app import security
 from serve_app.config import AppConfig
 from serve_app.errors import APIError
-from serve_app.middleware import (
+from serve_app.ingress import keys as security
+from serve_app.ingress.keys import (
+    KeyRateLimit,
+    RequestLimits,
+    SecurityConfig,
+    load_keys,
+    parse_keys,
+)
+from serve_app.ingress.middleware import (
     DRAIN_MAX_BYTES,
     SecurityMiddleware,
     SecurityState,
     route_path,
 )
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest
-from serve_app.ratelimit import (
+from serve_app.ingress.ratelimit import (
     Decision,
     LimiterUnavailable,
     LocalRateLimiter,
@@ -35,7 +41,7 @@ from serve_app.ratelimit import (
     SlidingWindowLimiter,
     estimate_tokens,
 )
-from serve_app.security import KeyRateLimit, RequestLimits, SecurityConfig, load_keys, parse_keys
+from serve_app.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 KEY_A = "sk-alpha-0123456789"
 KEY_B = "sk-bravo-9876543210"

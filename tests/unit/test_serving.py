@@ -10,10 +10,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from serve_app import chat, completions
 from serve_app.config import AppConfig
 from serve_app.errors import APIError, ErrorInfo
-from serve_app.messages import (
+from serve_app.hops import (
     EngineChunk,
     EngineRequest,
     EngineStep,
@@ -21,8 +20,9 @@ from serve_app.messages import (
     PreprocessResult,
     TokenizedPrompt,
 )
-from serve_app.protocol import ChatCompletionRequest, CompletionRequest
-from serve_app.serving import OpenAIServing, RequestStats
+from serve_app.openai import chat, completions
+from serve_app.openai.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.openai.serving import OpenAIServing, RequestStats
 
 WORDS = ["Hello", " there", "!"]
 

@@ -7,11 +7,11 @@ import json
 import pytest
 
 from serve_app.errors import APIError
-from serve_app.messages import StructuredSpec
-from serve_app.protocol import ChatCompletionRequest, GenerationDefaults
-from serve_app.protocol.structured import NamedToolChoice
-from serve_app.structured import check_structured, check_tools
-from serve_app.tools import ToolStream, parse_auto, parse_forced
+from serve_app.hops import StructuredSpec
+from serve_app.openai.protocol import ChatCompletionRequest, GenerationDefaults
+from serve_app.openai.protocol.structured import NamedToolChoice
+from serve_app.openai.tools import ToolStream, parse_auto, parse_forced
+from serve_app.preprocess.constraints import check_structured, check_tools
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TOOLS = [

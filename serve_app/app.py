@@ -1,0 +1,98 @@
+"""The one place the graph is wired: Router(Preprocessor, Engine), with options from config."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ray.serve import Application
+
+from serve_app.config import AppConfig
+from serve_app.engine.deployment import EngineDeployment
+from serve_app.ingress.router import Router
+from serve_app.models import UnknownModelError, resolve_model
+from serve_app.preprocess.deployment import PreprocessorDeployment
+from serve_app.preprocess.preprocessor import derive_max_model_len
+
+
+def _with_env(options: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    # OTEL_* settings of the process that builds the app reach every replica.
+    otel = {key: value for key, value in os.environ.items() if key.startswith("OTEL_")}
+    options["ray_actor_options"]["runtime_env"] = {"env_vars": otel | env}
+    return options
+
+
+def engine_options(config: AppConfig) -> dict[str, Any]:
+    engine = config.engine
+    options = _with_env(engine.deployment_options(), engine.runtime_env_vars())
+    placement = engine.placement()
+    if placement is not None:
+        bundles, strategy = placement
+        bundles[0] |= dict(engine.resources)  # The replica actor lives in bundle 0.
+        # The replica actor lives in bundle 0; it needs the CPU, not the GPU.
+        options["ray_actor_options"] |= {"num_cpus": 1, "num_gpus": 0}
+        options["placement_group_bundles"] = bundles
+        options["placement_group_strategy"] = strategy
+    return options
+
+
+def check_model(config: AppConfig) -> None:
+    """Fail at build time, with the fix in the message, on an unknown model or a context
+    window the model cannot support (checked when the checkpoint is on this machine)."""
+    try:
+        path = resolve_model(config.model.name)
+    except UnknownModelError as exc:
+        raise ValueError(f"model.name: {exc}") from exc
+    if Path(path).is_dir():
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(
+            path, trust_remote_code=config.model.trust_remote_code
+        )
+        derive_max_model_len(config, hf_config)
+
+
+def check_placement(config: AppConfig, nodes: list[dict[str, Any]] | None = None) -> None:
+    """Fail at start, with the numbers, when the engine's placement group cannot be placed on
+    the connected cluster (e.g. TP=8 on 4 GPUs). ``nodes``: ``ray.nodes()``; skipped when Ray is
+    not connected or SERVE_APP_SKIP_PLACEMENT_CHECK=1 (clusters that add GPU nodes on demand)."""
+    placement = config.engine.placement()
+    if placement is None or os.environ.get("SERVE_APP_SKIP_PLACEMENT_CHECK") == "1":
+        return
+    if nodes is None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        nodes = ray.nodes()
+    gpus = [float(n.get("Resources", {}).get("GPU", 0)) for n in nodes if n.get("Alive", True)]
+    bundles, strategy = placement
+    need = sum(bundle.get("GPU", 0) for bundle in bundles)
+    per_replica = max(gpus, default=0) if strategy == "STRICT_PACK" else sum(gpus)
+    if need > per_replica:
+        where, has = (
+            ("one node", "the largest node")
+            if strategy == "STRICT_PACK"
+            else ("the cluster", "the cluster")
+        )
+        raise ValueError(
+            f"engine: tensor_parallel_size {config.engine.tensor_parallel_size} x "
+            f"pipeline_parallel_size {config.engine.pipeline_parallel_size} needs {need:g} GPUs "
+            f"on {where} ({strategy} placement group), but {has} has {per_replica:g} "
+            f"(GPUs per node: {gpus}); lower the parallel sizes or add GPUs"
+        )
+
+
+def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
+    """Build the Serve application from a Serve config's ``args`` (validated as AppConfig)."""
+    config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
+    check_model(config)
+    check_placement(config)
+    plain = config.model_dump(mode="json")
+    preprocessor = PreprocessorDeployment.options(  # type: ignore[attr-defined]
+        **_with_env(config.preprocessor.deployment_options(), {})
+    ).bind(plain)
+    engine = EngineDeployment.options(**engine_options(config)).bind(plain)  # type: ignore[attr-defined]
+    router = Router.options(**_with_env(config.router.deployment_options(), {}))  # type: ignore[attr-defined]
+    return router.bind(preprocessor, engine, plain)

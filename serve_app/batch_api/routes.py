@@ -1,0 +1,177 @@
+"""The OpenAI Batch API on the serving app: /v1/files and /v1/batches as a FastAPI router.
+
+Batches run inside the router replica as background tasks through the same ``OpenAIServing``
+as the HTTP routes, at a low vLLM priority (a larger number: interactive traffic goes first).
+Batches left active by a previous router are resumed from their partial output on start.
+Wiring: ``app.include_router(batch_api.router)`` before ``@serve.ingress`` and
+``batch_api.attach(self.serving, self.config)`` in the router's ``__init__``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, File, Form, Query, UploadFile
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from serve_app.batch_api.service import ENDPOINTS, BatchService, parse_input
+from serve_app.batch_api.store import BatchStore, new_id
+from serve_app.config import AppConfig
+from serve_app.errors import APIError
+from serve_app.openai.protocol import ErrorResponse
+from serve_app.openai.serving import OpenAIServing
+
+__all__ = ["ENDPOINTS", "BatchService", "attach", "parse_input", "router", "service"]
+
+
+# Documented error statuses (OpenAI's error body), so clients and schema checks know them.
+router = APIRouter(
+    responses={code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)}
+)
+
+
+class BatchCreate(BaseModel):
+    input_file_id: str
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = None
+
+
+def not_found(kind: str, object_id: str) -> APIError:
+    return APIError(f"No {kind} with id {object_id!r}.", status=404, code="not_found")
+
+
+_service: BatchService | None = None
+
+
+def attach(serving: OpenAIServing, config: AppConfig, root: Path | None = None) -> BatchService:
+    """Called by the router replica: open the store and resume batches left active."""
+    global _service
+    _service = BatchService(serving, config, BatchStore(root))
+    try:
+        asyncio.get_running_loop()
+        _service.ensure_resumed()
+    except RuntimeError:  # No loop yet: resumed on the first Batch API call.
+        pass
+    return _service
+
+
+def service() -> BatchService:
+    if _service is None:
+        raise APIError("The Batch API is not enabled.", status=503, type="server_error")
+    _service.ensure_resumed()
+    return _service
+
+
+# Routes -----------------------------------------------------------------------------------
+
+
+@router.post("/v1/files")
+async def create_file(file: UploadFile = File(...), purpose: str = Form(...)) -> JSONResponse:  # noqa: B008
+    if purpose != "batch":
+        raise APIError("Only purpose=batch is supported.", param="purpose")
+    content = await file.read()
+    stored = await asyncio.to_thread(
+        service().store.create_file, content, file.filename or "upload.jsonl", purpose
+    )
+    return JSONResponse(stored)
+
+
+def _file(file_id: str) -> dict[str, Any]:
+    found = service().store.get_file(file_id)
+    if found is None:
+        raise not_found("file", file_id)
+    return found
+
+
+@router.get("/v1/files/{file_id}")
+async def retrieve_file(file_id: str) -> JSONResponse:
+    return JSONResponse(_file(file_id))
+
+
+@router.get("/v1/files/{file_id}/content")
+async def file_content(file_id: str) -> Response:
+    _file(file_id)
+    content = await asyncio.to_thread(service().store.file_content, file_id)
+    return Response(content, media_type="application/octet-stream")
+
+
+@router.delete("/v1/files/{file_id}")
+async def delete_file(file_id: str) -> JSONResponse:
+    if not service().store.delete_file(file_id):
+        raise not_found("file", file_id)
+    return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+
+@router.post("/v1/batches")
+async def create_batch(body: BatchCreate) -> JSONResponse:
+    svc = service()
+    if body.endpoint not in ENDPOINTS:
+        raise APIError(f"endpoint must be one of {', '.join(ENDPOINTS)}.", param="endpoint")
+    if body.completion_window != "24h":
+        raise APIError("completion_window must be 24h.", param="completion_window")
+    _file(body.input_file_id)
+    content = await asyncio.to_thread(svc.store.file_content, body.input_file_id)
+    lines = parse_input(content, body.endpoint)
+    now = int(time.time())
+    batch: dict[str, Any] = {
+        "id": new_id("batch"),
+        "object": "batch",
+        "endpoint": body.endpoint,
+        "errors": None,
+        "input_file_id": body.input_file_id,
+        "completion_window": body.completion_window,
+        "status": "validating",
+        "output_file_id": None,
+        "error_file_id": None,
+        "created_at": now,
+        "expires_at": now + 24 * 3600,
+        "request_counts": {"total": len(lines), "completed": 0, "failed": 0},
+        "metadata": body.metadata,
+    }
+    for stamp in ("in_progress_at", "finalizing_at", "completed_at", "failed_at"):
+        batch[stamp] = None
+    batch |= {"expired_at": None, "cancelling_at": None, "cancelled_at": None}
+    svc.store.save_batch(batch)
+    svc.start(batch["id"])
+    return JSONResponse(batch)
+
+
+def _batch(batch_id: str) -> dict[str, Any]:
+    found = service().store.get_batch(batch_id)
+    if found is None:
+        raise not_found("batch", batch_id)
+    return found
+
+
+@router.get("/v1/batches/{batch_id}")
+async def retrieve_batch(batch_id: str) -> JSONResponse:
+    return JSONResponse(_batch(batch_id))
+
+
+@router.get("/v1/batches")
+async def list_batches(
+    after: str | None = None, limit: int = Query(20, ge=1, le=100)
+) -> JSONResponse:
+    data, has_more = service().store.list_batches(after, limit)
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": has_more,
+        }
+    )
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+async def cancel_batch(batch_id: str) -> JSONResponse:
+    batch = _batch(batch_id)
+    if batch["status"] not in ("validating", "in_progress"):
+        raise APIError(f"Cannot cancel a batch that is {batch['status']}.", code="invalid_state")
+    return JSONResponse(await service().cancel(batch_id))

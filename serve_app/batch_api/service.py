@@ -1,0 +1,206 @@
+"""Batches of the OpenAI Batch API, run in the router replica through ``OpenAIServing``.
+
+Each request line goes through the same ``chat_completion`` / ``completion`` as the HTTP
+routes, at a low vLLM priority (a larger number, so interactive traffic goes first). Results are
+appended line by line to partial files, so a restarted router resumes without redoing or
+duplicating finished lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from pydantic import ValidationError
+
+from serve_app.batch_api.store import BatchStore, new_id
+from serve_app.config import AppConfig
+from serve_app.errors import APIError, ErrorInfo, backend_error
+from serve_app.openai import chat, completions
+from serve_app.openai.protocol import ChatCompletionRequest, CompletionRequest
+from serve_app.openai.serving import OpenAIServing, RequestStats
+
+logger = logging.getLogger("serve_app.batch_api")
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+BATCH_PRIORITY = 100  # vLLM: lower runs first; interactive requests default to 0.
+
+
+def parse_input(content: bytes, endpoint: str) -> list[dict[str, Any]]:
+    """Request lines of a batch input file; a structural problem is a 400 naming the line."""
+    try:
+        text = content.decode()
+    except UnicodeDecodeError as exc:
+        raise APIError("The input file is not UTF-8 text.", param="input_file_id") from exc
+    lines: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        where = f"Line {number} of the input file"
+        try:
+            line = json.loads(raw)
+        except ValueError as exc:
+            raise APIError(f"{where} is not valid JSON: {exc}", code="invalid_jsonl") from exc
+        if not isinstance(line, dict) or not isinstance(line.get("body"), dict):
+            raise APIError(f"{where} needs an object with custom_id, method, url and body.")
+        custom_id = line.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id:
+            raise APIError(f"{where}: custom_id must be a non-empty string.", code="invalid_line")
+        if custom_id in seen:
+            raise APIError(f"{where}: duplicate custom_id {custom_id!r}.", code="duplicate_id")
+        seen.add(custom_id)
+        if line.get("method", "POST") != "POST" or line.get("url") != endpoint:
+            raise APIError(
+                f"{where}: method must be POST and url must be the batch endpoint {endpoint} "
+                f"(got {line.get('method')} {line.get('url')}).",
+                code="invalid_url",
+            )
+        lines.append(line)
+    if not lines:
+        raise APIError("The input file has no requests.", param="input_file_id")
+    return lines
+
+
+class BatchService:
+    """Owns the store and the background tasks of running batches (one router replica)."""
+
+    def __init__(
+        self,
+        serving: OpenAIServing,
+        config: AppConfig,
+        store: BatchStore,
+        *,
+        priority: int = BATCH_PRIORITY,
+        max_in_flight: int = 32,
+    ) -> None:
+        self.serving, self.config, self.store = serving, config, store
+        self.priority, self.max_in_flight = priority, max_in_flight
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._cancelling: set[str] = set()
+        self._resumed = False
+
+    def ensure_resumed(self) -> None:
+        if self._resumed:
+            return
+        self._resumed = True
+        for batch in self.store.active_batches():
+            logger.info("Resuming batch %s (%s)", batch["id"], batch["status"])
+            if batch["status"] == "cancelling":
+                self._cancelling.add(batch["id"])
+            self.start(batch["id"])
+
+    def start(self, batch_id: str) -> None:
+        self._tasks[batch_id] = asyncio.create_task(self._run(batch_id))
+        self._tasks[batch_id].add_done_callback(lambda _: self._tasks.pop(batch_id, None))
+
+    async def cancel(self, batch_id: str) -> dict[str, Any]:
+        batch = self.store.update_batch(batch_id, status="cancelling", cancelling_at=_now())
+        self._cancelling.add(batch_id)
+        task = self._tasks.get(batch_id)
+        if task is not None:
+            task.cancel()
+        else:
+            self.start(batch_id)
+        return batch
+
+    async def _run(self, batch_id: str) -> None:
+        store = self.store
+        try:
+            if batch_id in self._cancelling:
+                raise asyncio.CancelledError
+            batch = store.get_batch(batch_id)
+            assert batch is not None
+            lines = parse_input(store.file_content(batch["input_file_id"]), batch["endpoint"])
+            if batch["status"] == "validating":
+                store.update_batch(batch_id, status="in_progress", in_progress_at=_now())
+            await self._process(batch_id, batch["endpoint"], lines)
+            store.update_batch(batch_id, status="finalizing", finalizing_at=_now())
+            self._finish(batch_id, "completed", "completed_at")
+        except asyncio.CancelledError:
+            if batch_id not in self._cancelling:
+                raise  # The replica is stopping: leave the batch active for the next one.
+            self._finish(batch_id, "cancelled", "cancelled_at")
+        except Exception as exc:
+            logger.exception("Batch %s failed", batch_id)
+            info = exc.info if isinstance(exc, APIError) else ErrorInfo(repr(exc), 500)
+            errors = {"object": "list", "data": [{"code": info.code, "message": info.message}]}
+            store.update_batch(batch_id, status="failed", failed_at=_now(), errors=errors)
+
+    async def _process(self, batch_id: str, endpoint: str, lines: list[dict[str, Any]]) -> None:
+        store = self.store
+        done = {
+            line["custom_id"]
+            for kind in ("output", "error")
+            for line in store.read_partial(batch_id, kind)
+        }
+        counts = self._counts(batch_id, len(lines))
+        todo = [line for line in lines if line["custom_id"] not in done]
+        semaphore = asyncio.Semaphore(self.max_in_flight)
+
+        async def one(line: dict[str, Any]) -> None:
+            async with semaphore:
+                status, body = await self._call(endpoint, line["body"])
+            record = {
+                "id": new_id("batch_req"),
+                "custom_id": line["custom_id"],
+                "response": {"status_code": status, "request_id": body.get("id"), "body": body},
+                "error": None,
+            }
+            kind = "output" if status == 200 else "error"
+            store.append_partial(batch_id, kind, record)
+            counts["completed" if status == 200 else "failed"] += 1
+            store.update_batch(batch_id, request_counts=dict(counts))
+
+        await asyncio.gather(*(one(line) for line in todo))
+
+    def _counts(self, batch_id: str, total: int) -> dict[str, int]:
+        ok = len(self.store.read_partial(batch_id, "output"))
+        failed = len(self.store.read_partial(batch_id, "error"))
+        return {"total": total, "completed": ok, "failed": failed}
+
+    async def _call(self, endpoint: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        body = body | {"stream": False, "priority": max(self.priority, body.get("priority", 0))}
+        stats = RequestStats(route=endpoint, model=self.serving.model_name)
+        try:
+            if endpoint == "/v1/chat/completions":
+                work: Any = chat.chat_completion(
+                    self.serving, ChatCompletionRequest.model_validate(body), stats
+                )
+            else:
+                work = completions.completion(
+                    self.serving, CompletionRequest.model_validate(body), stats
+                )
+            result = await asyncio.wait_for(work, self.config.request_timeout_s)
+            return 200, result.model_dump(mode="json")
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = ".".join(str(p) for p in first.get("loc", ()))
+            info = ErrorInfo(f"{param}: {first.get('msg')}", param=param, code="invalid_value")
+        except TimeoutError:
+            info = ErrorInfo("The request timed out.", 504, "server_error", code="timeout")
+        except Exception as exc:
+            info = backend_error(exc) or ErrorInfo(repr(exc), 500, "server_error")
+        return info.status, info.body()
+
+    def _finish(self, batch_id: str, status: str, stamp: str) -> None:
+        batch = self.store.get_batch(batch_id)
+        assert batch is not None
+        counts = self._counts(batch_id, batch["request_counts"]["total"])
+        output = self.store.finish_partial(batch_id, "output", "batch_output")
+        error = self.store.finish_partial(batch_id, "error", "batch_output")
+        self.store.update_batch(
+            batch_id,
+            status=status,
+            output_file_id=output,
+            error_file_id=error,
+            request_counts=counts,
+            **{stamp: _now()},
+        )
+
+
+def _now() -> int:
+    return int(time.time())

@@ -1,0 +1,142 @@
+"""Keep a CPU box's model worker on cores of its own.
+
+vLLM on CPU runs the model in one worker process whose OpenMP threads are bound to cores;
+everything else (Ray's GCS and raylet, Serve's proxy and controller, our three replicas, vLLM's
+scheduler process) otherwise competes for those same cores, and every time slice it takes
+stalls a whole engine step. On a single machine ``serve_app.launch`` starts Ray confined to
+the last core (the one vLLM reserves for its scheduler anyway); each engine replica then binds
+its model worker to the cores Ray is not on (``engine_isolation``). Measured on 2 cores:
++12-15 % output tokens/s at c=32. Offline Ray Data jobs do not split: their CPU engines run
+in-process (``serve_app/offline/inproc_engine.py``) with the model on every core; with vLLM's
+separate processes, putting the Ray Data driver and actor on the scheduler's core measured 16 %
+slower.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Annotated
+
+import psutil
+from pydantic import AfterValidator
+
+if TYPE_CHECKING:
+    from serve_app.config import EngineConfig
+
+logger = logging.getLogger("serve_app.cpu_pinning")
+# vLLM names its model worker processes so (setproctitle); they keep their OpenMP binding.
+WORKER_TITLE = "VLLM::Worker"
+
+
+def split_cores(allowed: set[int] | list[int]) -> tuple[list[int], list[int]] | None:
+    """(model worker cores, cores for everything else), or None with fewer than 2 cores."""
+    cores = sorted(allowed)
+    if len(cores) < 2:
+        return None
+    return cores[:-1], cores[-1:]
+
+
+def ray_cores(engines: list[EngineConfig]) -> list[int] | None:
+    """Cores to start a new single-machine Ray cluster on, when every engine is a CPU engine
+    bound automatically; None: start Ray on every core as usual."""
+    for engine in engines:
+        if engine.resolved_device() != "cpu" or engine.cpu_threads_bind != "auto":
+            return None
+    split = split_cores(os.sched_getaffinity(0))
+    return split[1] if split else None
+
+
+def core_list(cores: list[int]) -> str:
+    """The form VLLM_CPU_OMP_THREADS_BIND takes: '0,1,2'."""
+    return ",".join(str(c) for c in cores)
+
+
+def parse_core_list(text: str) -> list[int]:
+    """'0-2,5' -> [0, 1, 2, 5] (VLLM_CPU_OMP_THREADS_BIND's form for one worker)."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        try:
+            low, high = int(first), int(last if dash else first)
+        except ValueError:
+            raise ValueError(f"not a core list: {text!r} (expected e.g. '0-3' or '0,2')") from None
+        if low < 0 or high < low:
+            raise ValueError(f"not a core list: {text!r} (expected e.g. '0-3' or '0,2')")
+        cores.update(range(low, high + 1))
+    return sorted(cores)
+
+
+def check_threads_bind(value: str) -> str:
+    """A valid VLLM_CPU_OMP_THREADS_BIND: 'auto', 'nobind' or one core list per worker."""
+    if value not in ("auto", "nobind"):
+        for worker_cores in value.split("|"):  # '0-3|4-7': one list per worker.
+            parse_core_list(worker_cores)
+    return value
+
+
+ThreadsBind = Annotated[str, AfterValidator(check_threads_bind)]
+
+
+def in_process_cores(threads_bind: str) -> tuple[list[int], bool]:
+    """(cores, bind) for a model running in this process: an explicit list binds to it;
+    'auto' and 'nobind' use every core this process may run on, unbound."""
+    if threads_bind in ("auto", "nobind"):
+        return sorted(os.sched_getaffinity(0)), False
+    return parse_core_list(threads_bind), True
+
+
+@contextlib.contextmanager
+def inherited_affinity(cores: list[int]) -> Iterator[None]:
+    """Processes started inside the block inherit ``cores``; this process gets its own back."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def pin_tree(root_pid: int, cores: list[int]) -> int:
+    """Pin every thread of ``root_pid`` and its descendants to ``cores``, except vLLM's model
+    workers (bound by OpenMP to their own cores). Returns how many processes moved."""
+    root = psutil.Process(root_pid)
+    moved = 0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            if WORKER_TITLE in " ".join([proc.name(), *proc.cmdline()]):
+                continue
+            for thread in proc.threads():
+                with contextlib.suppress(OSError):  # A thread that just exited.
+                    os.sched_setaffinity(thread.id, cores)
+            moved += 1
+        except psutil.Error:
+            continue
+    logger.info("Pinned %d engine processes to cores %s", moved, cores)
+    return moved
+
+
+@contextlib.contextmanager
+def engine_isolation(threads_bind: str) -> Iterator[None]:
+    """Around starting vLLM in an engine replica. When the launcher confined Ray (and so this
+    replica) to some cores, the model worker gets all the others: bind it there, then move
+    this replica and vLLM's scheduler process back. Otherwise vLLM binds as configured."""
+    confined = sorted(os.sched_getaffinity(0))
+    if threads_bind != "auto":
+        yield
+        return
+    # Widening succeeds for the cores this container may use (the cgroup's cpuset).
+    os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    worker = [c for c in sorted(os.sched_getaffinity(0)) if c not in confined]
+    if not worker:
+        os.sched_setaffinity(0, confined)
+        yield
+        return
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = core_list(worker)
+    logger.info("Model worker on cores %s; Ray and this replica on %s", worker, confined)
+    try:
+        yield
+    finally:
+        pin_tree(os.getpid(), confined)

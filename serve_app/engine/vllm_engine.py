@@ -1,0 +1,268 @@
+"""The engine behind a small protocol; ``VLLMEngine`` (one vLLM ``AsyncLLM``) is the real one.
+
+The engine is fed token ids (the preprocessor already tokenized), streams deltas, and aborts the
+vLLM request when its consumer goes away (``AsyncLLM.generate`` aborts on cancellation).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+from serve_app.config import AppConfig
+from serve_app.engine import cpu_pinning
+from serve_app.engine.background_gate import BackgroundGate
+from serve_app.engine.watchdog import EngineWatchdog
+from serve_app.errors import APIError
+from serve_app.hops import EngineChunk, EngineRequest, EngineStep, TokenLogprob, TopLogprob
+from serve_app.models.cpu_features import native_bf16
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+
+logger = logging.getLogger("serve_app.engine")
+
+
+class Engine(Protocol):
+    """What the serving layer needs from an engine."""
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]: ...
+
+    def num_unfinished(self) -> int:
+        """Requests the engine still holds (running or waiting)."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def check_health(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+def engine_args(config: AppConfig, model_path: str) -> dict[str, Any]:
+    """vLLM engine arguments derived from the app config (logged at start for comparisons)."""
+    model, engine = config.model, config.engine
+    args: dict[str, Any] = {
+        "model": model_path,
+        "served_model_name": model.public_name,
+        "dtype": resolved_dtype(model.dtype, engine.resolved_device()),
+        "max_model_len": model.max_model_len,
+        "trust_remote_code": model.trust_remote_code,
+        "tensor_parallel_size": engine.tensor_parallel_size,
+        "pipeline_parallel_size": engine.pipeline_parallel_size,
+        "block_size": engine.block_size,
+        "enable_prefix_caching": engine.enable_prefix_caching,
+        "max_num_seqs": engine.max_num_seqs,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
+        "enforce_eager": engine.enforce_eager,
+        "seed": engine.seed,
+        # Priority scheduling lets interactive requests overtake background ones.
+        "scheduling_policy": "priority",
+        # The preprocessor's defaults are the only defaults (documented precedence).
+        "generation_config": "vllm",
+        # Small models can loop on whitespace inside JSON until max_tokens; compact JSON
+        # leaves them no whitespace to loop on.
+        "structured_outputs_config": {
+            "backend": engine.structured_output_backend,
+            "disable_any_whitespace": engine.compact_json,
+        },
+    }
+    if engine.resolved_device() == "gpu":
+        args["gpu_memory_utilization"] = engine.gpu_memory_utilization
+        if engine.world_size > 1:
+            args["distributed_executor_backend"] = "ray"
+    if model.rope_scaling:
+        args["hf_overrides"] = {"rope_scaling": model.rope_scaling}
+    return {key: value for key, value in args.items() if value is not None}
+
+
+def resolved_dtype(dtype: str, device: str, cpu_flags: set[str] | None = None) -> str:
+    """``auto`` on a CPU without native bf16 is float32: there vLLM's auto (the checkpoint's
+    bf16) runs emulated matmuls about 6x slower than fp32. An explicit dtype always stands."""
+    if dtype != "auto" or device != "cpu":
+        return dtype
+    return "float32" if native_bf16(cpu_flags) is False else dtype
+
+
+def vllm_engine_args(args: dict[str, Any], cls: type[Any], **extra: Any) -> Any:
+    """``cls`` (vLLM's ``EngineArgs`` or ``AsyncEngineArgs``) from ``engine_args`` output."""
+    from vllm.config import StructuredOutputsConfig
+
+    kwargs = dict(args) | extra
+    structured = StructuredOutputsConfig(**kwargs.pop("structured_outputs_config"))
+    return cls(**kwargs, structured_outputs_config=structured)
+
+
+def to_sampling_params(request: EngineRequest) -> SamplingParams:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    spec = request.sampling
+    structured = None
+    if spec.structured is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        structured = StructuredOutputsParams(**{spec.structured.kind: spec.structured.value})
+    return SamplingParams(
+        n=spec.n,
+        max_tokens=spec.max_tokens,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k,
+        min_p=spec.min_p,
+        seed=spec.seed,
+        stop=list(spec.stop),
+        stop_token_ids=list(spec.stop_token_ids),
+        include_stop_str_in_output=spec.include_stop_str_in_output,
+        presence_penalty=spec.presence_penalty,
+        frequency_penalty=spec.frequency_penalty,
+        repetition_penalty=spec.repetition_penalty,
+        logit_bias=spec.logit_bias,
+        logprobs=spec.logprobs,
+        min_tokens=spec.min_tokens,
+        ignore_eos=spec.ignore_eos,
+        skip_special_tokens=spec.skip_special_tokens,
+        structured_outputs=structured,
+        # Non-streaming callers need only the end result: one message instead of one per step.
+        output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def _finite(logprob: float) -> float:
+    # Constrained decoding masks tokens to -inf, which JSON cannot carry; vLLM's server clamps too.
+    return max(logprob, -9999.0)
+
+
+def _convert_logprobs(token_ids: Any, logprobs: Any, top_n: int) -> list[TokenLogprob]:
+    out = []
+    for token_id, position in zip(token_ids, logprobs, strict=False):
+        chosen = position[token_id]
+        ranked = sorted(position.items(), key=lambda item: item[1].rank or 0)
+        top = tuple(
+            TopLogprob(entry.decoded_token or "", _finite(entry.logprob))
+            for _, entry in ranked[:top_n]
+        )
+        out.append(TokenLogprob(chosen.decoded_token or "", _finite(chosen.logprob), top))
+    return out
+
+
+def to_engine_step(output: Any, request: EngineRequest) -> EngineStep:
+    """One vLLM ``RequestOutput`` as the message the serving layer and batch jobs consume."""
+    top_n = request.sampling.logprobs or 0
+    chunks = [
+        EngineChunk(
+            index=c.index,
+            text=c.text,
+            token_ids=list(c.token_ids),
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            logprobs=None
+            if c.logprobs is None
+            else _convert_logprobs(c.token_ids, c.logprobs, top_n),
+        )
+        for c in output.outputs
+    ]
+    return EngineStep(
+        chunks=chunks,
+        prompt_tokens=len(request.prompt_token_ids),
+        cached_tokens=output.num_cached_tokens,
+        finished=output.finished,
+        timings=_timings(output) if output.finished else None,
+    )
+
+
+def _ray_stat_loggers() -> list[Any] | None:
+    """vLLM's metrics through Ray's metrics API, when running inside a Ray worker."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+    return [RayPrometheusStatLogger]
+
+
+def _timings(output: Any) -> tuple[float, float, float, float] | None:
+    stats = getattr(output, "metrics", None)
+    if stats is None or not getattr(stats, "queued_ts", 0):
+        return None
+    return (stats.queued_ts, stats.scheduled_ts, stats.first_token_ts, stats.last_token_ts)
+
+
+class VLLMEngine:
+    """One vLLM ``AsyncLLM`` in this process (its engine core runs in a child process)."""
+
+    def __init__(self, config: AppConfig, model_path: str, offline: bool = False) -> None:
+        """``offline``: an offline batch job's engine, whose unset limits get the defaults of
+        vLLM's offline ``LLM`` (e.g. a larger prefill budget per step) instead of its server's."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = engine_args(config, model_path)
+        logger.info("Starting vLLM AsyncLLM with %s", args)
+        self.resolved_args = args
+        bind = config.engine.cpu_threads_bind if config.engine.resolved_device() == "cpu" else ""
+        with cpu_pinning.engine_isolation(bind):
+            self._llm = AsyncLLM.from_engine_args(
+                vllm_engine_args(args, AsyncEngineArgs),
+                stat_loggers=_ray_stat_loggers(),
+                usage_context=UsageContext.LLM_CLASS if offline else UsageContext.OPENAI_API_SERVER,
+            )
+        self.max_model_len: int = self._llm.model_config.max_model_len
+        self._watchdog = EngineWatchdog(self._llm)
+        engine = config.engine
+        self._background = BackgroundGate(
+            max(1, engine.max_num_seqs - engine.interactive_reserved_seqs)
+        )
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
+        self._watchdog.ensure_running()
+        async with self._background.slot(request.priority):
+            async for step in self._generate(request):
+                yield step
+
+    async def _generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            params = to_sampling_params(request)
+        except (ValueError, VLLMClientError) as exc:  # vLLM's checks we did not pre-empt.
+            raise APIError(str(exc), param=getattr(exc, "parameter", None)) from exc
+        stream = self._llm.generate(
+            TokensPrompt(prompt_token_ids=request.prompt_token_ids),
+            params,
+            request.request_id,
+            priority=request.priority,
+        )
+        try:
+            async for output in stream:
+                yield to_engine_step(output, request)
+        except EngineDeadError as exc:
+            raise APIError(
+                f"The engine died ({exc}); the replica is being replaced, retry shortly.",
+                status=503,
+                type="server_error",
+                code="engine_unavailable",
+            ) from exc
+        except (ValueError, VLLMClientError) as exc:  # vLLM's checks we did not pre-empt.
+            raise APIError(str(exc), param=getattr(exc, "parameter", None)) from exc
+        finally:
+            await stream.aclose()
+
+    def num_unfinished(self) -> int:
+        """Requests the engine still holds (running or waiting)."""
+        held_back = self._background.waiting
+        return int(self._llm.output_processor.get_num_unfinished_requests()) + held_back
+
+    async def abort(self, request_id: str) -> None:
+        await self._llm.abort(request_id)
+
+    async def check_health(self) -> None:
+        await self._llm.check_health()
+
+    def shutdown(self) -> None:
+        self._llm.shutdown()

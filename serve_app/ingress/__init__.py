@@ -1,0 +1,1 @@
+"""The ingress: the Router deployment (HTTP), API keys, rate limits, handle calls, HTTP errors."""

@@ -1,0 +1,90 @@
+"""Calls from the router into the graph through Serve handles, bounded in time and in queue.
+
+Serve's own errors (its queue full, no replica taking the call) become OpenAI-shaped errors here,
+so the HTTP side never sees a raw Serve exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from ray.serve.exceptions import BackPressureError
+
+from serve_app.errors import APIError
+
+
+def timeout_error(timeout_s: float) -> APIError:
+    return APIError(
+        f"The request took longer than {timeout_s:g} s and was aborted; lower max_tokens or "
+        "raise request_timeout_s.",
+        status=504,
+        type="server_error",
+        code="timeout",
+    )
+
+
+def _overloaded(exc: BackPressureError) -> APIError:
+    return APIError(
+        f"The model backend is at capacity ({exc.message.rstrip('.')}); retry shortly.",
+        status=exc.status_code,
+        type="server_error",
+        code="overloaded",
+    )
+
+
+async def bounded_stream(
+    call: Callable[[], Any], *, assign_timeout_s: float, timeout_s: float
+) -> AsyncIterator[Any]:
+    """Items of a streaming handle call (``call()`` returns a ``DeploymentResponseGenerator``),
+    bounded twice.
+
+    No replica takes the call within ``assign_timeout_s`` (none running, or all full): 503
+    ``backend_unavailable``; the handle's queue is full: 503/429 ``overloaded`` (never Serve's
+    raw BackPressureError, which its proxy would answer in plain text). The whole stream past
+    ``timeout_s``: 504 ``timeout``. Whenever the stream does not run to its end (bound hit,
+    consumer gone), the call is cancelled, so the engine aborts the vLLM request.
+    """
+    deadline = time.monotonic() + timeout_s
+    try:
+        response = call()
+    except BackPressureError as exc:
+        raise _overloaded(exc) from None
+    done = False
+    try:
+        # Private Serve API (2.60): resolves once a replica accepted the call.
+        assigned = getattr(response, "_fetch_future_result_async", None)
+        if assigned is not None:
+            try:
+                await asyncio.wait_for(assigned(), min(assign_timeout_s, timeout_s))
+            except TimeoutError:
+                raise APIError(
+                    f"No model replica accepted the request within {assign_timeout_s:g} s "
+                    "(starting, restarting or overloaded); retry shortly.",
+                    status=503,
+                    type="server_error",
+                    code="backend_unavailable",
+                ) from None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise timeout_error(timeout_s)
+            try:
+                item = await asyncio.wait_for(anext(response), remaining)
+            except StopAsyncIteration:
+                done = True
+                return
+            except TimeoutError:
+                raise timeout_error(timeout_s) from None
+            yield item
+    except BackPressureError as exc:
+        raise _overloaded(exc) from None
+    finally:
+        if not done:
+            # Serve's cancel() re-raises a failed assignment (e.g. BackPressureError): that
+            # must not replace the error already being raised.
+            with contextlib.suppress(Exception):
+                response.cancel()

@@ -1,0 +1,295 @@
+"""Pure ASGI guard in front of the routes: header size, API key, body size, rate limit.
+
+Pure ASGI (not BaseHTTPMiddleware) so responses, SSE included, pass through untouched. Serve
+freezes a copy of the FastAPI app at import time, so settings cannot travel as middleware
+arguments: ``Router.__init__`` calls :func:`configure`, which sets this module's state in the
+replica process, and the middleware reads it per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from serve_app.errors import ErrorInfo
+from serve_app.ingress.keys import KeyRing, SecurityConfig, load_keys
+from serve_app.ingress.ratelimit import (
+    LimiterUnavailable,
+    RateLimitBackend,
+    RayRateLimiter,
+    estimate_tokens,
+)
+
+logger = logging.getLogger("serve_app.security")
+
+# Everything else needs a key when keys are configured (default deny, not just /v1/*).
+OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+LIMITER_NAME = "serve_app_rate_limiter"
+
+
+@dataclass
+class SecurityState:
+    config: SecurityConfig
+    keys: KeyRing
+    limiter: RateLimitBackend | None = None
+
+
+_state: SecurityState | None = None
+
+
+def configure(
+    config: SecurityConfig, *, app_name: str, environ: Mapping[str, str] | None = None
+) -> SecurityState:
+    """Load keys and pick the limiter for this replica; raises ValueError on bad key sources."""
+    global _state
+    limiter = RayRateLimiter(f"{LIMITER_NAME}.{app_name}") if config.rate_limited else None
+    _state = SecurityState(config, load_keys(config, os.environ if environ is None else environ))
+    _state.limiter = limiter
+    return _state
+
+
+def current() -> SecurityState | None:
+    return _state
+
+
+def route_path(scope: Scope) -> str:
+    """The path the router matches: Starlette's own rule for stripping root_path."""
+    path: str = scope["path"]
+    root = scope.get("root_path", "")
+    if root and path.startswith(root):
+        if path == root:
+            return ""
+        if path[len(root)] == "/":
+            return path[len(root) :]
+    return path
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    return next((value for key, value in scope["headers"] if key.lower() == name), None)
+
+
+def _bearer(scope: Scope) -> bytes | None:
+    value = _header(scope, b"authorization") or b""
+    scheme, _, token = value.strip().partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" and token.strip() else None
+
+
+async def _send_error(
+    send: Send, info: ErrorInfo, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    body = json.dumps(info.body()).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": info.status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+# Before a 413 the rest of the body is read and dropped, within bounds: a server that closes
+# its socket with request bytes unread makes the kernel send a reset, which can destroy the 413
+# before the client reads it (the client sees "peer closed connection" instead of the error).
+DRAIN_MAX_BYTES = 64 * 1024 * 1024
+DRAIN_MAX_S = 10.0
+
+
+async def _drain(receive: Receive) -> None:
+    """Read and drop what is left of the request body, up to DRAIN_MAX_BYTES or DRAIN_MAX_S."""
+    drained = 0
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(DRAIN_MAX_S):
+            while drained <= DRAIN_MAX_BYTES:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                drained += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    return
+
+
+async def _reject_declared_too_large(
+    scope: Scope, receive: Receive, send: Send, limit: int, declared: int
+) -> None:
+    """Answer 413; drain the body first unless it is huge or not sent yet (100-continue)."""
+    waits_for_continue = (_header(scope, b"expect") or b"").lower() == b"100-continue"
+    if not waits_for_continue and declared <= DRAIN_MAX_BYTES:
+        await _drain(receive)
+    await _send_error(send, _too_large(limit), [(b"connection", b"close")])
+
+
+def _too_large(limit: int) -> ErrorInfo:
+    return ErrorInfo(
+        f"Request body too large: the limit is {limit} bytes.",
+        status=413,
+        code="request_too_large",
+    )
+
+
+class SecurityMiddleware:
+    def __init__(self, app: ASGIApp, state: SecurityState | None = None) -> None:
+        self.app = app
+        self._state = state  # Fixed state for tests; otherwise the one `configure` set.
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        state = self._state or _state
+        if state is None:  # Serve routes traffic only after __init__; never expected.
+            info = ErrorInfo("Server starting.", status=503, type="server_error", code="starting")
+            await _send_error(send, info)
+            return
+        error, name = self._admit(scope, state)
+        if error is not None:
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+            else:
+                extra = [(b"www-authenticate", b"Bearer")] if error.status == 401 else []
+                await _send_error(send, error, extra)
+            return
+        if scope["type"] == "websocket":
+            await self.app(scope, receive, send)
+            return
+        if name is not None:
+            scope.setdefault("state", {})["api_key_name"] = name
+        body = await self._read_body(scope, receive, send, state.config.max_body_bytes)
+        if body is None:
+            return
+        limited = state.limiter is not None and route_path(scope) not in OPEN_PATHS
+        if limited and not await self._charge(scope, send, state, name or "anonymous", body):
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    @staticmethod
+    def _admit(scope: Scope, state: SecurityState) -> tuple[ErrorInfo | None, str | None]:
+        """Header size, then the key; returns (error, key name)."""
+        config = state.config
+        size = sum(len(key) + len(value) for key, value in scope["headers"])
+        if size > config.max_header_bytes:
+            message = f"Request headers too large: {size} bytes, limit {config.max_header_bytes}."
+            return ErrorInfo(message, status=431, code="request_header_fields_too_large"), None
+        if not state.keys or route_path(scope) in OPEN_PATHS:
+            return None, None
+        presented = _bearer(scope)
+        name = state.keys.match(presented) if presented is not None else None
+        if name is None:
+            client = (scope.get("client") or ("?",))[0]
+            reason = "missing" if presented is None else "invalid"
+            logger.warning("Rejected %s API key from %s for %s", reason, client, scope["path"])
+            message = (
+                "Missing API key: send it as `Authorization: Bearer <key>`."
+                if presented is None
+                else "Incorrect API key provided."
+            )
+            return ErrorInfo(message, status=401, code="invalid_api_key"), None
+        return None, name
+
+    @staticmethod
+    async def _read_body(scope: Scope, receive: Receive, send: Send, limit: int) -> bytes | None:
+        """The whole body, or None after a 413 (or a client that went away)."""
+        declared = _header_int(_header(scope, b"content-length"))
+        if declared is not None and declared > limit:
+            await _reject_declared_too_large(scope, receive, send, limit, declared)
+            return None
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:  # Chunked uploads have no Content-Length: count as they come.
+                if message.get("more_body", False):
+                    await _drain(receive)
+                await _send_error(send, _too_large(limit), [(b"connection", b"close")])
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    @staticmethod
+    async def _charge(
+        scope: Scope, send: Send, state: SecurityState, name: str, body: bytes
+    ) -> bool:
+        config = state.config
+        limit = config.rate_limit_for(name)
+        tokens = 0
+        if limit.tokens_per_minute is not None:
+            tokens = estimate_tokens(route_path(scope), body, config.unset_max_tokens_charge)
+        assert state.limiter is not None
+        try:
+            decision = await state.limiter.acquire(name, tokens, limit)
+        except LimiterUnavailable:
+            logger.exception("Rate limiter unavailable; rejecting (fail closed)")
+            info = ErrorInfo(
+                "Rate limiter unavailable; retry shortly.",
+                status=503,
+                type="server_error",
+                code="rate_limiter_unavailable",
+            )
+            await _send_error(send, info)
+            return False
+        if decision.allowed:
+            return True
+        logger.info("Rate limited key %r (%s)", name, decision.reason)
+        if decision.reason == "too_large":
+            message = (
+                f"Request too large for key `{name}`: it needs {tokens} tokens, more than its "
+                f"{limit.tokens_per_minute} tokens per minute; lower max_tokens or the prompt."
+            )
+            await _send_error(send, _rate_error(message, "tokens"))
+            return False
+        retry = max(1, math.ceil(decision.retry_after_s))
+        per_minute = (
+            f"{limit.requests_per_minute} requests"
+            if decision.reason == "requests"
+            else f"{limit.tokens_per_minute} tokens"
+        )
+        message = (
+            f"Rate limit reached for key `{name}`: {per_minute} per minute. Retry in {retry} s."
+        )
+        await _send_error(
+            send, _rate_error(message, decision.reason), [(b"retry-after", str(retry).encode())]
+        )
+        return False
+
+
+def _rate_error(message: str, kind: str) -> ErrorInfo:
+    # OpenAI's 429 body names what ran out as its type ("requests" or "tokens").
+    return ErrorInfo(message, status=429, type=kind, code="rate_limit_exceeded")
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """Hand the buffered body to the app once, then the real channel (disconnect events)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _header_int(value: bytes | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None

@@ -1,0 +1,178 @@
+"""Per-key rate limits shared by every router replica: exact sliding 60 s windows.
+
+The counters live in one named Ray actor per application (``serve_app_rate_limiter.<app>`` in
+namespace ``serve_app``), created by whichever router replica comes first (``get_if_exists``).
+It is not detached: it is owned by that replica and goes away with the application. Should its
+owner replica die, the others re-create it on their next call (the counters start over: a brief
+allowance, never a lock-out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from serve_app.ingress.keys import KeyRateLimit
+
+WINDOW_S = 60.0
+NAMESPACE = "serve_app"
+Reason = Literal["", "requests", "tokens", "too_large"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    allowed: bool
+    retry_after_s: float = 0.0
+    reason: Reason = ""
+
+
+class SlidingWindowLimiter:
+    """Admitted (time, tokens) per key over the last window; a denied request charges nothing.
+
+    A log rather than a token bucket so "6 per minute" means exactly 6 in any 60 s; its size is
+    bounded by the limits themselves.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, window_s: float = WINDOW_S):
+        self._clock = clock
+        self._window = window_s
+        self._events: defaultdict[str, deque[tuple[float, int]]] = defaultdict(deque)
+        self._tokens: defaultdict[str, int] = defaultdict(int)
+
+    def acquire(self, key: str, tokens: int, rpm: int | None, tpm: int | None) -> Decision:
+        if rpm is None and tpm is None:
+            return Decision(True)
+        now = self._clock()
+        events = self._events[key]
+        while events and events[0][0] <= now - self._window:
+            self._tokens[key] -= events.popleft()[1]
+        if rpm is not None and len(events) >= rpm:
+            # Enough capacity returns when the (len - rpm + 1)-th oldest admission expires.
+            return Decision(False, events[len(events) - rpm][0] + self._window - now, "requests")
+        if tpm is not None:
+            if tokens > tpm:
+                return Decision(False, 0.0, "too_large")
+            used = self._tokens[key]
+            if used + tokens > tpm:
+                for at, spent in events:
+                    used -= spent
+                    if used + tokens <= tpm:
+                        return Decision(False, at + self._window - now, "tokens")
+        events.append((now, tokens))
+        self._tokens[key] += tokens
+        return Decision(True)
+
+
+class RateLimitBackend(Protocol):
+    async def acquire(self, key: str, tokens: int, limit: KeyRateLimit) -> Decision: ...
+
+
+class LimiterUnavailable(RuntimeError):
+    """The shared limiter could not be reached; callers fail closed (503)."""
+
+
+class LocalRateLimiter:
+    """In-process backend (one replica, unit tests)."""
+
+    def __init__(self, limiter: SlidingWindowLimiter | None = None) -> None:
+        self.limiter = limiter or SlidingWindowLimiter()
+
+    async def acquire(self, key: str, tokens: int, limit: KeyRateLimit) -> Decision:
+        return self.limiter.acquire(key, tokens, limit.requests_per_minute, limit.tokens_per_minute)
+
+
+class _LimiterActor:
+    """The Ray actor body: a sync actor, so calls run one at a time (no locking needed)."""
+
+    def __init__(self) -> None:
+        self._limiter = SlidingWindowLimiter()
+
+    def acquire(
+        self, key: str, tokens: int, rpm: int | None, tpm: int | None
+    ) -> tuple[bool, float, str]:
+        decision = self._limiter.acquire(key, tokens, rpm, tpm)
+        return decision.allowed, decision.retry_after_s, decision.reason
+
+
+class RayRateLimiter:
+    """Backend over the shared named actor; re-creates it if its owner replica died."""
+
+    def __init__(self, name: str, attempts: int = 3) -> None:
+        self.name = name
+        self._attempts = attempts
+        self._actor: Any = None
+
+    def _handle(self) -> Any:
+        if self._actor is None:
+            import ray
+
+            self._actor = (
+                ray.remote(_LimiterActor)
+                .options(
+                    name=self.name,
+                    namespace=NAMESPACE,  # Explicit: else it lands in the deploying job's.
+                    get_if_exists=True,
+                    num_cpus=0,
+                    max_concurrency=1,
+                )
+                .remote()
+            )
+        return self._actor
+
+    async def acquire(self, key: str, tokens: int, limit: KeyRateLimit) -> Decision:
+        from ray.exceptions import RayActorError
+
+        for attempt in range(self._attempts):
+            try:
+                ref = self._handle().acquire.remote(
+                    key, tokens, limit.requests_per_minute, limit.tokens_per_minute
+                )
+                allowed, retry_after_s, reason = await ref
+                return Decision(allowed, retry_after_s, reason)
+            except RayActorError:
+                self._actor = None  # Its owner went away; get-or-create a fresh one.
+                await asyncio.sleep(0.1 * (attempt + 1))
+        raise LimiterUnavailable(f"rate limiter actor {self.name} is unavailable")
+
+
+def estimate_tokens(path: str, body: bytes, unset_max_tokens_charge: int) -> int:
+    """Tokens to charge up front: the prompt estimate plus n × the completion budget.
+
+    Charged before the work, never refunded: a key cannot overshoot its budget by sending many
+    requests at once. Unparseable bodies cost nothing here (they get a 400 anyway).
+    """
+    chat = path.endswith("/chat/completions")
+    if not (chat or path.endswith("/completions")):
+        return 0
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return 0
+    if not isinstance(payload, dict):
+        return 0
+    prompt = [m.get("content") for m in payload.get("messages") or [] if isinstance(m, dict)]
+    prompt_tokens = _prompt_tokens(prompt if chat else payload.get("prompt"))
+    budget = payload.get("max_completion_tokens") or payload.get("max_tokens")
+    if not (isinstance(budget, int) and budget > 0):
+        budget = unset_max_tokens_charge if chat else 16
+    n = payload.get("n")
+    n = min(n, 1024) if isinstance(n, int) and n > 0 else 1
+    return prompt_tokens + n * min(budget, 10**9)
+
+
+def _prompt_tokens(prompt: Any) -> int:
+    if isinstance(prompt, str):
+        return math.ceil(len(prompt) / 4)  # ~4 characters per token on English text.
+    if isinstance(prompt, int):
+        return 1
+    if isinstance(prompt, dict):
+        return _prompt_tokens(prompt.get("text"))
+    if isinstance(prompt, list):
+        return sum(_prompt_tokens(item) for item in prompt)
+    return 0

@@ -1,0 +1,223 @@
+"""The ingress: OpenAI routes over HTTP (FastAPI), errors in OpenAI's shape, SSE streams."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry.trace import Span, SpanKind
+from pydantic import BaseModel
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.batch_api import routes as batch_routes
+from serve_app.config import AppConfig
+from serve_app.errors import BACKEND_UNAVAILABLE, APIError, ErrorInfo
+from serve_app.hops import PreprocessRequest, PreprocessResult, SamplingSpec
+from serve_app.ingress import http_errors
+from serve_app.ingress.handles import bounded_stream, timeout_error
+from serve_app.ingress.http_errors import error_response
+from serve_app.ingress.keys import check_limits
+from serve_app.ingress.middleware import SecurityMiddleware, configure
+from serve_app.observability import tracing
+from serve_app.observability.metrics import RouterMetrics
+from serve_app.openai import chat, completions
+from serve_app.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelList,
+)
+from serve_app.openai.protocol.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from serve_app.openai.serving import OpenAIServing, RequestStats
+
+logger = logging.getLogger("serve_app.router")
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 431, 500, 503, 504)
+}
+app = FastAPI(
+    title="serve_app", summary="OpenAI-compatible API on Ray Serve + vLLM", version="0.1.0"
+)
+# Before @serve.ingress freezes a copy of the app; settings arrive later via `configure`.
+app.add_middleware(SecurityMiddleware)
+app.include_router(batch_routes.router)  # Before @serve.ingress copies the app.
+http_errors.install(app)
+
+
+@serve.deployment(name="Router")
+@serve.ingress(app)
+class Router:
+    def __init__(
+        self, preprocessor: DeploymentHandle, engine: DeploymentHandle, config: dict[str, Any]
+    ) -> None:
+        self.config = AppConfig.model_validate(config)
+        configure(self.config.security, app_name=serve.get_replica_context().app_name)
+        self._preprocessor = preprocessor
+        self._engine = engine.options(stream=True)
+        self._engine_unary = engine
+        self._max_model_len: int | None = None
+        self._preprocessing = 0  # Preprocess calls in flight from this replica.
+        tracing.configure(self.config.tracing.exporter)
+        self.metrics = RouterMetrics()
+        self.serving = OpenAIServing(
+            self.config,
+            preprocess=self._preprocess,
+            generate=lambda request: bounded_stream(
+                lambda: self._engine.generate.remote(request),
+                assign_timeout_s=self.config.engine_wait_timeout_s,
+                timeout_s=self.config.request_timeout_s,
+            ),
+        )
+        batch_routes.attach(self.serving, self.config)
+
+    async def _preprocess(self, request: PreprocessRequest) -> PreprocessResult:
+        # The @serve.batch window only pays off when other requests can join it.
+        alone = self._preprocessing == 0
+        self._preprocessing += 1
+        try:
+            method = self._preprocessor.preprocess_now if alone else self._preprocessor.preprocess
+            return await method.remote(request)
+        finally:
+            self._preprocessing -= 1
+
+    async def _with_timeout(self, work: Any) -> Any:
+        try:
+            return await asyncio.wait_for(work, self.config.request_timeout_s)
+        except TimeoutError as exc:
+            raise timeout_error(self.config.request_timeout_s) from exc
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health(self) -> JSONResponse:
+        """200 when an engine replica confirms its vLLM engine is alive within
+        ``health_timeout_s``; 503 otherwise (none running, restarting, dead, or saturated)."""
+        try:
+            ok = await asyncio.wait_for(
+                self._engine_unary.healthy.remote(), self.config.health_timeout_s
+            )
+        except Exception as exc:  # Timeout, no replica, backpressure: all unhealthy.
+            logger.warning("Health check failed: %r", exc)
+            ok = False
+        if ok:
+            return JSONResponse({"status": "ok"})
+        return error_response(BACKEND_UNAVAILABLE)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models(self) -> ModelList:
+        return self.serving.models(await self._model_len())
+
+    def finished_spans(self) -> list[dict[str, Any]]:
+        """Spans kept by the in-memory exporter (tests); not an HTTP route."""
+        return tracing.finished_spans()
+
+    async def _model_len(self) -> int:
+        if self._max_model_len is None:
+            self._max_model_len = await self._preprocessor.max_model_len.remote()
+        return self._max_model_len
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
+        check_limits(body, self.config.security.limits)
+        return await self._run(
+            "/v1/chat/completions",
+            request,
+            lambda stats: chat.chat_completion(self.serving, body, stats),
+        )
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(self, body: CompletionRequest, request: Request) -> Any:
+        check_limits(body, self.config.security.limits)
+        return await self._run(
+            "/v1/completions",
+            request,
+            lambda stats: completions.completion(self.serving, body, stats),
+        )
+
+    async def _run(
+        self,
+        route: str,
+        request: Request,
+        work: Callable[[RequestStats], Awaitable[BaseModel | AsyncIterator[str]]],
+    ) -> Response:
+        """Trace, time and count one generation request; dispatch on the result type."""
+        stats = RequestStats(route=route, model=self.serving.model_name)
+        span = tracing.tracer().start_span(
+            f"POST {route}", context=tracing.extract(request.headers), kind=SpanKind.SERVER
+        )
+        stats.trace_context = tracing.inject(span)
+        try:
+            result = await self._with_timeout(work(stats))
+        except APIError as exc:
+            self._finish(span, stats, exc.info.status)
+            raise
+        except BaseException:
+            self._finish(span, stats, 500)
+            raise
+        # Serve already answers with its own x-request-id; the trace id travels in traceparent.
+        headers = {}
+        if traceparent := tracing.traceparent(span):
+            headers["traceparent"] = traceparent
+        if isinstance(result, BaseModel):
+            self._finish(span, stats, 200)
+            return JSONResponse(result.model_dump(mode="json"), headers=headers)
+        return StreamingResponse(
+            self._observed(result, span, stats), media_type="text/event-stream", headers=headers
+        )
+
+    async def _observed(
+        self, stream: AsyncIterator[str], span: Span, stats: RequestStats
+    ) -> AsyncIterator[str]:
+        status = 499  # Until the stream completes: the client went away.
+        try:
+            async for event in stream:
+                yield event
+            status = 200
+        finally:
+            self._finish(span, stats, status)
+
+    def _finish(self, span: Span, stats: RequestStats, status: int) -> None:
+        self.metrics.record(stats, status)
+        span.set_attributes(tracing.request_attributes(stats, status))
+        span.end()
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        self.serving.check_model(body.model)
+        request = PreprocessRequest(
+            request_id="tokenize",
+            kind="completion" if body.prompt is not None else "chat",
+            sampling=SamplingSpec(),
+            prompts=[body.prompt] if body.prompt is not None else None,
+            messages=[m.to_template_dict() for m in body.messages or []],
+            tools=body.tools,
+            add_generation_prompt=body.add_generation_prompt,
+        )
+        result = await self._preprocessor.tokenize.remote(request, body.add_special_tokens)
+        if isinstance(result, ErrorInfo):
+            raise APIError.from_info(result)
+        ids, strs = result
+        return TokenizeResponse(
+            count=len(ids),
+            max_model_len=await self._model_len(),
+            tokens=ids,
+            token_strs=strs if body.return_token_strs else None,
+        )
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self.serving.check_model(body.model)
+        result = await self._preprocessor.detokenize.remote(body.tokens)
+        if isinstance(result, ErrorInfo):
+            raise APIError.from_info(result)
+        return DetokenizeResponse(prompt=result)

@@ -1,0 +1,1 @@
+"""The OpenAI API without transport: protocol models, chat and completions, the serving core."""

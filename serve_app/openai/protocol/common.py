@@ -1,0 +1,184 @@
+"""Shared pieces of the OpenAI protocol: base model, sampling fields, defaults precedence."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from serve_app.errors import APIError
+from serve_app.hops import SamplingSpec
+
+# vLLM samples greedily below this temperature, and then refuses n > 1.
+GREEDY_TEMPERATURE = 1e-5
+
+logger = logging.getLogger("serve_app.protocol")
+_warned_fields: set[str] = set()
+
+
+class OpenAIModel(BaseModel):
+    """Base for requests: unknown fields are accepted and logged once, not fatal.
+
+    Clients written for newer OpenAI or vLLM versions keep working; the log says what we ignored.
+    """
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _log_unknown_fields(self) -> OpenAIModel:
+        for name in self.model_extra or {}:
+            key = f"{type(self).__name__}.{name}"
+            if key not in _warned_fields:
+                _warned_fields.add(key)
+                logger.warning("Ignoring unknown field %r in %s", name, type(self).__name__)
+        return self
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class GenerationDefaults(BaseModel):
+    """Server-side defaults, applied when a request leaves a field unset.
+
+    Precedence for every sampling field: the request's value → this server default → OpenAI's
+    default (temperature 1, top_p 1, no penalties).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float | None = Field(None, ge=0, le=2, description="Default temperature.")
+    top_p: float | None = Field(None, gt=0, le=1, description="Default nucleus sampling p.")
+    top_k: int | None = Field(None, ge=-1, description="Default top-k (-1 or 0: off).")
+    repetition_penalty: float | None = Field(None, gt=0, le=2, description="Default penalty.")
+    max_tokens: int | None = Field(
+        None, ge=1, description="Default completion length cap when a request sets none."
+    )
+
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+StopField = str | Annotated[list[str], Field(max_length=16)] | None
+
+
+class SamplingFields(OpenAIModel):
+    """Sampling fields common to chat and completions (OpenAI first, then vLLM extras)."""
+
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    n: int = Field(1, ge=1, le=16)
+    presence_penalty: Penalty | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**63)
+    stop: StopField = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    user: str | None = None
+    # vLLM extras, accepted so clients written for `vllm serve` work unchanged.
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    priority: int = Field(
+        0, ge=-(2**31), lt=2**31, description="vLLM priority: lower values are scheduled first."
+    )
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_bias_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+        return bias
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+    def _sampling_spec(
+        self, defaults: GenerationDefaults, *, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingSpec:
+        def pick(value: Any, default: Any, openai_default: Any) -> Any:
+            if value is not None:
+                return value
+            return default if default is not None else openai_default
+
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        top_k = pick(self.top_k, defaults.top_k, 0)
+        temperature = pick(self.temperature, defaults.temperature, 1.0)
+        if self.n > 1 and temperature < GREEDY_TEMPERATURE:
+            raise APIError(
+                f"n must be 1 with greedy sampling (temperature {temperature}), got {self.n}: "
+                "n greedy choices would all be the same text.",
+                param="n",
+            )
+        return SamplingSpec(
+            n=self.n,
+            max_tokens=pick(max_tokens, defaults.max_tokens, None),
+            temperature=temperature,
+            top_p=pick(self.top_p, defaults.top_p, 1.0),
+            top_k=0 if top_k == -1 else top_k,
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            stop=tuple(s for s in stop if s),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=pick(self.repetition_penalty, defaults.repetition_penalty, 1.0),
+            logit_bias=_token_bias(self.logit_bias),
+            logprobs=logprobs,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    return {int(key): value for key, value in bias.items()}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "serve_app"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,1 @@
+"""The preprocessor: the plain ``Preprocessor`` (template, tokens, checks) and its deployment."""
