@@ -3,56 +3,17 @@
 Each engine replica reports ``engine_queue`` through Serve's ``record_autoscaling_stats`` hook;
 ``EngineQueuePolicy`` (a Serve custom autoscaling policy) sizes the deployment so every replica
 holds about ``target_queue_depth`` requests. Serve wraps the policy with the min/max bounds and
-the up/down delays of ``autoscaling_config``. ``desired_replicas`` is the pure decision
-function (unit-tested without Ray).
+the up/down delays of ``autoscaling_config`` (``serve_app.config.autoscaling``).
+``desired_replicas`` is the pure decision function (unit-tested without Ray).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-QUEUE_METRIC = "engine_queue"
-POLICY_PATH = "serve_app.engine.autoscaling:EngineQueuePolicy"
-
-
-class EngineAutoscalingConfig(BaseModel):
-    """Engine autoscaling, used when ``engine.num_replicas`` is ``"auto"``."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    policy: Literal["queue_depth", "ongoing_requests"] = Field(
-        "queue_depth",
-        description="'queue_depth': vLLM running + waiting requests per replica (this module); "
-        "'ongoing_requests': Serve's default policy on in-flight handle requests.",
-    )
-    target_queue_depth: float = Field(
-        32, gt=0, description="Engine requests (running + waiting) one replica should hold."
-    )
-    upscale_delay_s: float = Field(
-        30, ge=0, description="Load must call for more replicas this long before scaling up."
-    )
-    downscale_delay_s: float = Field(
-        300, ge=0, description="Load must call for fewer replicas this long before scaling down."
-    )
-    look_back_period_s: float = Field(
-        10, gt=0, description="Window over which reported queue depths are averaged."
-    )
-    metrics_interval_s: float = Field(
-        2, gt=0, le=60, description="How often each engine replica reports its queue depth."
-    )
-
-    @model_validator(mode="after")
-    def _check_window(self) -> EngineAutoscalingConfig:
-        if self.metrics_interval_s > self.look_back_period_s:
-            raise ValueError(
-                f"metrics_interval_s {self.metrics_interval_s} exceeds look_back_period_s "
-                f"{self.look_back_period_s}: the window would hold no sample"
-            )
-        return self
+from serve_app.config.autoscaling import QUEUE_METRIC
 
 
 def desired_replicas(
@@ -101,29 +62,3 @@ class EngineQueuePolicy:
             fallback_total=ctx.total_num_requests,
         )
         return desired, {}
-
-
-def autoscaling_config(
-    auto: EngineAutoscalingConfig, *, min_replicas: int, max_replicas: int, target_ongoing: float
-) -> dict[str, Any]:
-    """The engine deployment's ``autoscaling_config``."""
-    config: dict[str, Any] = {
-        "min_replicas": min_replicas,
-        "max_replicas": max_replicas,
-        "target_ongoing_requests": target_ongoing,
-        "upscale_delay_s": auto.upscale_delay_s,
-        "downscale_delay_s": auto.downscale_delay_s,
-        "look_back_period_s": auto.look_back_period_s,
-        "metrics_interval_s": auto.metrics_interval_s,
-    }
-    if auto.policy == "queue_depth":
-        config["policy"] = {
-            "policy_function": POLICY_PATH,
-            "policy_kwargs": {"target_queue_depth": auto.target_queue_depth},
-        }
-    return config
-
-
-def replica_env(auto: EngineAutoscalingConfig) -> dict[str, str]:
-    """Environment for engine replicas: report queue depth every ``metrics_interval_s``."""
-    return {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": f"{auto.metrics_interval_s:g}"}

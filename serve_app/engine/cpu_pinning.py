@@ -18,10 +18,11 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING
 
 import psutil
-from pydantic import AfterValidator
+
+from serve_app.config.cores import core_list, parse_core_list
 
 if TYPE_CHECKING:
     from serve_app.config import EngineConfig
@@ -47,37 +48,6 @@ def ray_cores(engines: list[EngineConfig]) -> list[int] | None:
             return None
     split = split_cores(os.sched_getaffinity(0))
     return split[1] if split else None
-
-
-def core_list(cores: list[int]) -> str:
-    """The form VLLM_CPU_OMP_THREADS_BIND takes: '0,1,2'."""
-    return ",".join(str(c) for c in cores)
-
-
-def parse_core_list(text: str) -> list[int]:
-    """'0-2,5' -> [0, 1, 2, 5] (VLLM_CPU_OMP_THREADS_BIND's form for one worker)."""
-    cores: set[int] = set()
-    for part in text.split(","):
-        first, dash, last = part.strip().partition("-")
-        try:
-            low, high = int(first), int(last if dash else first)
-        except ValueError:
-            raise ValueError(f"not a core list: {text!r} (expected e.g. '0-3' or '0,2')") from None
-        if low < 0 or high < low:
-            raise ValueError(f"not a core list: {text!r} (expected e.g. '0-3' or '0,2')")
-        cores.update(range(low, high + 1))
-    return sorted(cores)
-
-
-def check_threads_bind(value: str) -> str:
-    """A valid VLLM_CPU_OMP_THREADS_BIND: 'auto', 'nobind' or one core list per worker."""
-    if value not in ("auto", "nobind"):
-        for worker_cores in value.split("|"):  # '0-3|4-7': one list per worker.
-            parse_core_list(worker_cores)
-    return value
-
-
-ThreadsBind = Annotated[str, AfterValidator(check_threads_bind)]
 
 
 def in_process_cores(threads_bind: str) -> tuple[list[int], bool]:

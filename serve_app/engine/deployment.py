@@ -9,7 +9,7 @@ from typing import Any
 from ray import serve
 
 from serve_app.config import AppConfig
-from serve_app.engine.autoscaling import QUEUE_METRIC
+from serve_app.config.autoscaling import QUEUE_METRIC
 from serve_app.errors import APIError, ErrorInfo
 from serve_app.hops import EngineRequest, EngineStep
 from serve_app.observability import tracing

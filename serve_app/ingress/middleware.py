@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from serve_app.config.security import SecurityConfig
 from serve_app.errors import ErrorInfo
-from serve_app.ingress.keys import KeyRing, SecurityConfig, load_keys
+from serve_app.ingress.keys import KeyRing, load_keys
 from serve_app.ingress.ratelimit import (
     LimiterUnavailable,
     RateLimitBackend,

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from serve_app.ingress.keys import KeyRateLimit
+from serve_app.config.security import KeyRateLimit
 
 WINDOW_S = 60.0
 NAMESPACE = "serve_app"

@@ -21,11 +21,11 @@ from serve_app.hops import PreprocessRequest, PreprocessResult, SamplingSpec
 from serve_app.ingress import http_errors
 from serve_app.ingress.handles import bounded_stream, timeout_error
 from serve_app.ingress.http_errors import error_response
-from serve_app.ingress.keys import check_limits
 from serve_app.ingress.middleware import SecurityMiddleware, configure
 from serve_app.observability import tracing
 from serve_app.observability.metrics import RouterMetrics
 from serve_app.openai import chat, completions
+from serve_app.openai.limits import check_limits
 from serve_app.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,

@@ -13,13 +13,8 @@ from ray.serve.exceptions import BackPressureError
 
 from serve_app.app import check_placement
 from serve_app.config import AppConfig, EngineConfig
-from serve_app.engine.autoscaling import (
-    POLICY_PATH,
-    QUEUE_METRIC,
-    EngineAutoscalingConfig,
-    EngineQueuePolicy,
-    desired_replicas,
-)
+from serve_app.config.autoscaling import POLICY_PATH, QUEUE_METRIC, EngineAutoscalingConfig
+from serve_app.engine.autoscaling import EngineQueuePolicy, desired_replicas
 from serve_app.errors import APIError
 from serve_app.ingress.handles import bounded_stream
 

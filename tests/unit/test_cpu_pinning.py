@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from serve_app.config import cores
 from serve_app.engine import cpu_pinning
 
 
@@ -14,7 +15,7 @@ def test_split_keeps_the_last_core_for_ray() -> None:
     assert cpu_pinning.split_cores({0, 1}) == ([0], [1])
     assert cpu_pinning.split_cores([3, 1, 2, 0]) == ([0, 1, 2], [3])
     assert cpu_pinning.split_cores({5}) is None
-    assert cpu_pinning.core_list([0, 1, 2]) == "0,1,2"
+    assert cores.core_list([0, 1, 2]) == "0,1,2"
 
 
 def test_children_inherit_the_confined_cores_and_this_thread_gets_its_own_back() -> None:
@@ -39,11 +40,11 @@ def test_engine_isolation_leaves_an_unconfined_process_alone() -> None:
 
 
 def test_core_lists_parse_like_vllm_and_bad_ones_are_refused() -> None:
-    assert cpu_pinning.parse_core_list("0-2,5") == [0, 1, 2, 5]
-    assert cpu_pinning.parse_core_list("3") == [3]
+    assert cores.parse_core_list("0-2,5") == [0, 1, 2, 5]
+    assert cores.parse_core_list("3") == [3]
     for bad in ("", "a-b", "2-1", "-1", "0-"):
         with pytest.raises(ValueError, match="core list"):
-            cpu_pinning.parse_core_list(bad)
+            cores.parse_core_list(bad)
 
 
 def test_in_process_model_uses_every_allowed_core_unless_bound() -> None:

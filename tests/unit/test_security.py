@@ -18,15 +18,10 @@ from starlette.routing import Route
 from starlette.types import Message, Scope
 
 from serve_app.config import AppConfig
+from serve_app.config.security import KeyRateLimit, RequestLimits, SecurityConfig
 from serve_app.errors import APIError
-from serve_app.ingress import keys as security
-from serve_app.ingress.keys import (
-    KeyRateLimit,
-    RequestLimits,
-    SecurityConfig,
-    load_keys,
-    parse_keys,
-)
+from serve_app.ingress import keys
+from serve_app.ingress.keys import load_keys, parse_keys
 from serve_app.ingress.middleware import (
     DRAIN_MAX_BYTES,
     SecurityMiddleware,
@@ -41,6 +36,7 @@ from serve_app.ingress.ratelimit import (
     SlidingWindowLimiter,
     estimate_tokens,
 )
+from serve_app.openai.limits import check_limits
 from serve_app.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 KEY_A = "sk-alpha-0123456789"
@@ -126,7 +122,7 @@ def test_compare_is_constant_time_over_every_key(monkeypatch: pytest.MonkeyPatch
         calls.append((len(a), len(b)))
         return real(a, b)
 
-    monkeypatch.setattr(security.hmac, "compare_digest", spy)
+    monkeypatch.setattr(keys.hmac, "compare_digest", spy)
     ring = load_keys(SecurityConfig(), ENV)
     for presented in (KEY_A, KEY_B, "wrong", "x" * 500):
         calls.clear()
@@ -441,10 +437,10 @@ def test_check_limits(body: dict[str, Any], param: str | None, code: str | None)
     model = ChatCompletionRequest if "messages" in body else CompletionRequest
     request = model.model_validate({k: v for k, v in body.items() if v is not None})
     if param is None:
-        security.check_limits(request, LIMITS)
+        check_limits(request, LIMITS)
         return
     with pytest.raises(APIError) as error:
-        security.check_limits(request, LIMITS)
+        check_limits(request, LIMITS)
     info = error.value.info
     assert (info.status, info.type, info.param) == (400, "invalid_request_error", param)
     assert info.code == (code or "string_above_max_length")
@@ -453,7 +449,7 @@ def test_check_limits(body: dict[str, Any], param: str | None, code: str | None)
 
 def test_default_limits_allow_what_the_protocol_allows() -> None:
     request = ChatCompletionRequest.model_validate({**CHAT, "n": 16, "max_tokens": 10**6})
-    security.check_limits(request, RequestLimits())
+    check_limits(request, RequestLimits())
 
 
 class _Upload:

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from serve_app.config.model import GenerationDefaults
 from serve_app.errors import APIError
 from serve_app.hops import SamplingSpec
 
@@ -38,24 +39,6 @@ class OpenAIModel(BaseModel):
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
-
-
-class GenerationDefaults(BaseModel):
-    """Server-side defaults, applied when a request leaves a field unset.
-
-    Precedence for every sampling field: the request's value → this server default → OpenAI's
-    default (temperature 1, top_p 1, no penalties).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    temperature: float | None = Field(None, ge=0, le=2, description="Default temperature.")
-    top_p: float | None = Field(None, gt=0, le=1, description="Default nucleus sampling p.")
-    top_k: int | None = Field(None, ge=-1, description="Default top-k (-1 or 0: off).")
-    repetition_penalty: float | None = Field(None, gt=0, le=2, description="Default penalty.")
-    max_tokens: int | None = Field(
-        None, ge=1, description="Default completion length cap when a request sets none."
-    )
 
 
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]

@@ -1,0 +1,58 @@
+"""The model block: which checkpoint, its context window, and the server's sampling defaults."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from serve_app.config.base import StrictModel
+
+
+class GenerationDefaults(BaseModel):
+    """Server-side defaults, applied when a request leaves a field unset.
+
+    Precedence for every sampling field: the request's value → this server default → OpenAI's
+    default (temperature 1, top_p 1, no penalties).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float | None = Field(None, ge=0, le=2, description="Default temperature.")
+    top_p: float | None = Field(None, gt=0, le=1, description="Default nucleus sampling p.")
+    top_k: int | None = Field(None, ge=-1, description="Default top-k (-1 or 0: off).")
+    repetition_penalty: float | None = Field(None, gt=0, le=2, description="Default penalty.")
+    max_tokens: int | None = Field(
+        None, ge=1, description="Default completion length cap when a request sets none."
+    )
+
+
+class ModelConfig(StrictModel):
+    name: str = Field(
+        "smollm2-135m-instruct",
+        description="An embedded alias (smollm2-135m-instruct, tiny-qwen2), a local checkpoint "
+        "directory, or a Hugging Face hub id such as Qwen/Qwen2.5-7B-Instruct.",
+    )
+    served_model_name: str | None = Field(
+        None, description="Name clients put in `model`; defaults to `name`."
+    )
+    max_model_len: int | None = Field(
+        None, ge=16, description="Context window (prompt + completion). Default: the model's."
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Weight dtype; auto: the checkpoint's, float32 on CPUs without bf16."
+    )
+    rope_scaling: dict[str, Any] | None = Field(
+        None,
+        description="RoPE scaling override, e.g. {rope_type: yarn, factor: 4.0, "
+        "original_max_position_embeddings: 32768} to run Qwen2.5 at 128K.",
+    )
+    trust_remote_code: bool = Field(False, description="Allow custom model code from the hub.")
+    generation_defaults: GenerationDefaults = Field(
+        default_factory=GenerationDefaults,
+        description="Server defaults for sampling fields a request leaves unset.",
+    )
+
+    @property
+    def public_name(self) -> str:
+        return self.served_model_name or self.name

@@ -1,0 +1,127 @@
+"""Security settings: where API keys come from, per-key rate limits, request size and shape limits.
+
+Only the settings: keys themselves are never in the config (the Ray dashboard shows it); the
+router loads them (``serve_app.ingress.keys``) and enforces the limits.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from pydantic import Field, field_validator
+
+from serve_app.config.base import StrictModel
+
+NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
+class KeyRateLimit(StrictModel):
+    """Per-minute budgets of one key (sliding 60 s window, shared by all router replicas)."""
+
+    requests_per_minute: int | None = Field(
+        None, ge=1, le=10_000_000, description="Requests per minute per key; unset: unlimited."
+    )
+    tokens_per_minute: int | None = Field(
+        None,
+        ge=1,
+        le=10**12,
+        description="Tokens per minute per key, charged up front: the prompt estimate "
+        "(characters / 4, or the token ids) plus n × max_tokens; unset: unlimited.",
+    )
+
+
+class RequestLimits(StrictModel):
+    """Bounds on one request's shape, checked before any preprocessing (400 with `param`)."""
+
+    max_tokens_cap: int | None = Field(
+        None,
+        ge=1,
+        le=10_000_000,
+        description="Largest max_tokens / max_completion_tokens accepted; unset: the context "
+        "window is the only bound (set model.generation_defaults.max_tokens for a default).",
+    )
+    max_n: int = Field(16, ge=1, le=128, description="Largest `n` (choices per request).")
+    max_messages: int = Field(
+        1024, ge=1, le=100_000, description="Most chat messages in one request."
+    )
+    max_tools: int = Field(128, ge=0, le=10_000, description="Most tool definitions per request.")
+    max_prompt_chars: int | None = Field(
+        None,
+        ge=1,
+        le=10**9,
+        description="Most prompt characters (all message contents, or all prompts; a token id "
+        "counts as one); unset: bounded by max_body_bytes and the context window.",
+    )
+
+
+class SecurityConfig(StrictModel):
+    """The `security` block of AppConfig. No keys configured means no authentication."""
+
+    api_keys_env: str = Field(
+        "SERVE_APP_API_KEYS",
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$",
+        description="Environment variable (on the router replicas) holding a comma-separated "
+        "list of `name:key` or bare keys; set it through the application's runtime_env.",
+    )
+    api_keys_file: Path | None = Field(
+        None,
+        description="Absolute path of a file with one `name:key` (or bare key) per line; "
+        "blank lines and lines starting with # are skipped. Unreadable: the router fails.",
+    )
+    requests_per_minute: int | None = Field(
+        None, ge=1, le=10_000_000, description="Default requests per minute of every key."
+    )
+    tokens_per_minute: int | None = Field(
+        None, ge=1, le=10**12, description="Default tokens per minute of every key."
+    )
+    key_rate_limits: dict[str, KeyRateLimit] = Field(
+        default_factory=dict,
+        description="Per-key-name budgets; an entry replaces both defaults for that key.",
+    )
+    unset_max_tokens_charge: int = Field(
+        1024,
+        ge=1,
+        le=10_000_000,
+        description="Completion tokens charged to tokens_per_minute when a chat request sets "
+        "no max_tokens (completions default to 16, as in OpenAI's API).",
+    )
+    max_body_bytes: int = Field(
+        2 * 1024 * 1024,
+        ge=1024,
+        le=1024**3,
+        description="Largest request body, Content-Length or streamed; larger gets 413.",
+    )
+    max_header_bytes: int = Field(
+        8 * 1024,
+        ge=1024,
+        le=1024**2,
+        description="Largest total size of the request headers; larger gets 431.",
+    )
+    limits: RequestLimits = Field(default_factory=RequestLimits)
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _absolute(cls, value: Path | None) -> Path | None:
+        # Replicas do not share the driver's working directory: relative paths would be a trap.
+        if value is not None and not value.expanduser().is_absolute():
+            raise ValueError(f"{value}: give an absolute path (replicas run elsewhere)")
+        return value.expanduser() if value is not None else None
+
+    @field_validator("key_rate_limits")
+    @classmethod
+    def _names(cls, value: dict[str, KeyRateLimit]) -> dict[str, KeyRateLimit]:
+        for name in value:
+            if not NAME_RE.fullmatch(name):
+                raise ValueError(f"{name!r} is not a key name ([A-Za-z0-9_.-], 1-64 chars)")
+        return value
+
+    @property
+    def rate_limited(self) -> bool:
+        return bool(self.requests_per_minute or self.tokens_per_minute or self.key_rate_limits)
+
+    def rate_limit_for(self, name: str) -> KeyRateLimit:
+        default = KeyRateLimit(
+            requests_per_minute=self.requests_per_minute, tokens_per_minute=self.tokens_per_minute
+        )
+        return self.key_rate_limits.get(name, default)
