@@ -37,7 +37,11 @@ def app_args(engine: dict[str, Any], model: str = MODEL, max_model_len: int = 40
     return {
         "model": {"name": model, "max_model_len": max_model_len, "dtype": "auto"},
         "engine": {"device": "cpu", "cpu_threads_bind": "auto", "num_cpus": 0.5} | engine,
-        "preprocessor": {"num_cpus": 0.1, "batch_wait_timeout_s": 0.01, "max_batch_size": 32},
+        "preprocessor": {
+            "num_cpus": 0.1,
+            "aggregation_window_s": 0.01,
+            "aggregation_max_requests": 32,
+        },
         "router": {"num_cpus": 0.1},
     }
 

@@ -70,7 +70,7 @@ class PreprocessRequest:
     max_tokens_param: str = "max_tokens"
     # W3C trace context of the router's span (empty when tracing is off).
     trace_context: dict[str, str] = field(default_factory=dict)
-    # time.time_ns() when the router sent it: the @serve.batch wait starts here.
+    # time.time_ns() when the router sent it: the aggregation window's wait starts here.
     sent_at_ns: int = 0
 
 

@@ -1,10 +1,10 @@
-"""Ray Serve replica settings shared by every deployment, and the preprocessor's own."""
+"""Ray Serve replica settings shared by every deployment, and the preprocessor's window."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AliasChoices, Field, model_validator
 
 from serve_app.config.base import StrictModel
 
@@ -77,9 +77,21 @@ class ReplicaConfig(StrictModel):
 
 
 class PreprocessorConfig(ReplicaConfig):
-    batch_wait_timeout_s: float = Field(
-        0.01, ge=0, le=1, description="@serve.batch aggregation window in seconds (0 disables)."
+    """The preprocessor's replicas and its aggregation window (Serve's ``@serve.batch``)."""
+
+    aggregation_window_s: float = Field(
+        0.01,
+        ge=0,
+        le=1,
+        validation_alias=AliasChoices("aggregation_window_s", "batch_wait_timeout_s"),
+        description="How long the preprocessor waits for more requests to tokenize together, "
+        "in seconds (0 disables). Old name, still accepted: batch_wait_timeout_s.",
     )
-    max_batch_size: int = Field(
-        32, ge=1, le=1024, description="Most requests per aggregated batch."
+    aggregation_max_requests: int = Field(
+        32,
+        ge=1,
+        le=1024,
+        validation_alias=AliasChoices("aggregation_max_requests", "max_batch_size"),
+        description="Most requests tokenized together in one window. Old name, still "
+        "accepted: max_batch_size.",
     )

@@ -83,7 +83,7 @@ class Router:
         batch_routes.attach(self.serving, self.config)
 
     async def _preprocess(self, request: PreprocessRequest) -> PreprocessResult:
-        # The @serve.batch window only pays off when other requests can join it.
+        # The aggregation window (@serve.batch) only pays off when other requests can join it.
         alone = self._preprocessing == 0
         self._preprocessing += 1
         try:

@@ -19,7 +19,7 @@ logger = logging.getLogger("serve_app.requests")
 
 _LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300]
 _TOKEN_TIME_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5]
-_BATCH_BUCKETS = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0]
+_WINDOW_BUCKETS = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0]
 
 
 class RouterMetrics:
@@ -91,24 +91,42 @@ def log_request(stats: RequestStats, status: int, latency: float) -> None:
     logger.info(json.dumps(record))
 
 
-class BatchMetrics:
-    """The @serve.batch aggregation window: how full batches get and how long requests wait."""
+class WindowMetrics:
+    """The preprocessor's aggregation window (Serve's ``@serve.batch``): how many requests share
+    one and how long they wait for it.
+
+    The same numbers also go out under their old names (``serve_app_preprocess_batch_size``,
+    ``serve_app_preprocess_batch_wait_seconds``) for one release, for dashboards built on them.
+    """
 
     def __init__(self) -> None:
         from ray.util import metrics
 
         self.size = metrics.Histogram(
-            "serve_app_preprocess_batch_size",
-            "Requests per @serve.batch call.",
-            boundaries=_BATCH_BUCKETS,
+            "serve_app_aggregation_window_size",
+            "Requests tokenized together in one aggregation window.",
+            boundaries=_WINDOW_BUCKETS,
         )
         self.wait = metrics.Histogram(
+            "serve_app_aggregation_window_wait_seconds",
+            "Time from the router's send to the start of the window's tokenization.",
+            boundaries=_TOKEN_TIME_BUCKETS,
+        )
+        self.old_size = metrics.Histogram(
+            "serve_app_preprocess_batch_size",
+            "Old name of serve_app_aggregation_window_size (goes away in the next release).",
+            boundaries=_WINDOW_BUCKETS,
+        )
+        self.old_wait = metrics.Histogram(
             "serve_app_preprocess_batch_wait_seconds",
-            "Time from send to batch start.",
+            "Old name of serve_app_aggregation_window_wait_seconds (goes away in the next "
+            "release).",
             boundaries=_TOKEN_TIME_BUCKETS,
         )
 
     def record(self, size: int, waits: list[float]) -> None:
         self.size.observe(size)
+        self.old_size.observe(size)
         for wait in waits:
             self.wait.observe(max(wait, 0.0))
+            self.old_wait.observe(max(wait, 0.0))

@@ -12,12 +12,12 @@ from serve_app.config import AppConfig
 from serve_app.errors import APIError, ErrorInfo
 from serve_app.hops import PreprocessRequest, PreprocessResult
 from serve_app.observability import tracing
-from serve_app.observability.metrics import BatchMetrics
+from serve_app.observability.metrics import WindowMetrics
 
 
 @serve.deployment(name="Preprocessor")
 class PreprocessorDeployment:
-    """CPU-only: chat template + tokenization, batched over a short aggregation window."""
+    """CPU-only: chat template + tokenization of every request in a short aggregation window."""
 
     def __init__(self, config: dict[str, Any]) -> None:
         from serve_app.models import resolve_model
@@ -25,12 +25,15 @@ class PreprocessorDeployment:
 
         self.config = AppConfig.model_validate(config)
         tracing.configure(self.config.tracing.exporter)
-        self.metrics = BatchMetrics()
+        self.metrics = WindowMetrics()
         self.preprocessor = Preprocessor(self.config, resolve_model(self.config.model.name))
+        # The aggregation window: Serve's @serve.batch, sized from the config at start.
         settings = self.config.preprocessor
-        self.preprocess.set_max_batch_size(settings.max_batch_size)  # type: ignore[attr-defined]
+        self.preprocess.set_max_batch_size(  # type: ignore[attr-defined]
+            settings.aggregation_max_requests
+        )
         self.preprocess.set_batch_wait_timeout_s(  # type: ignore[attr-defined]
-            settings.batch_wait_timeout_s
+            settings.aggregation_window_s
         )
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01)
@@ -39,7 +42,7 @@ class PreprocessorDeployment:
 
     async def preprocess_now(self, request: PreprocessRequest) -> PreprocessResult:
         """No aggregation window: the router calls this when nothing else it has in flight
-        could join the batch (a lone request would only wait out the window)."""
+        could join the window (a lone request would only wait it out)."""
         return (await self._preprocess([request]))[0]
 
     async def _preprocess(self, requests: list[PreprocessRequest]) -> list[PreprocessResult]:
@@ -76,7 +79,7 @@ class PreprocessorDeployment:
 def _preprocess_spans(
     requests: list[PreprocessRequest], results: list[PreprocessResult], started_ns: int
 ) -> None:
-    """One span per request, from the router's send through the batch window to tokens."""
+    """One span per request, from the router's send through the aggregation window to tokens."""
     end_ns = time.time_ns()
     for request, result in zip(requests, results, strict=True):
         span = tracing.tracer().start_span(
@@ -86,8 +89,10 @@ def _preprocess_spans(
         )
         span.set_attributes(
             {
-                "serve_app.batch.size": len(requests),
-                "serve_app.batch.wait_ms": round((started_ns - request.sent_at_ns) / 1e6, 3),
+                "serve_app.aggregation_window.size": len(requests),
+                "serve_app.aggregation_window.wait_ms": round(
+                    (started_ns - request.sent_at_ns) / 1e6, 3
+                ),
                 "gen_ai.usage.input_tokens": sum(len(p.token_ids) for p in result.prompts),
                 "serve_app.error": result.error.message if result.error else "",
             }

@@ -62,7 +62,8 @@ def test_one_trace_spans_router_preprocessor_and_engine(base_url: str) -> None:
     usage = response.json()["usage"]
     assert attributes["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
     assert attributes["gen_ai.request.model"] == MODEL
-    assert by_name["preprocess"]["attributes"]["serve_app.batch.size"] >= 1  # type: ignore[index]
+    window = by_name["preprocess"]["attributes"]
+    assert window["serve_app.aggregation_window.size"] >= 1  # type: ignore[index]
 
 
 def _metrics_text() -> str:
@@ -116,6 +117,9 @@ def test_prometheus_export_moves_with_traffic(client: OpenAI) -> None:
     assert _sample(text, counter, **labels) - before == sent
     for histogram in (
         "ray_serve_app_request_latency_seconds_count",
+        "ray_serve_app_aggregation_window_size_count",
+        "ray_serve_app_aggregation_window_wait_seconds_count",
+        # The old names, still exported for one release.
         "ray_serve_app_preprocess_batch_size_count",
         "ray_serve_app_preprocess_batch_wait_seconds_count",
     ):

@@ -14,7 +14,8 @@ from serve_app.preprocess.preprocessor import derive_max_model_len
 def test_defaults_are_valid() -> None:
     config = AppConfig()
     assert config.model.name == "smollm2-135m-instruct"
-    assert config.preprocessor.batch_wait_timeout_s == 0.01
+    assert config.preprocessor.aggregation_window_s == 0.01
+    assert config.preprocessor.aggregation_max_requests == 32
     assert config.engine.enable_prefix_caching
 
 
@@ -24,6 +25,7 @@ def test_defaults_are_valid() -> None:
         ("engine", {"block_size": 24}, "power of two"),
         ("engine", {"tensor_parallel_size": 0}, "greater than or equal to 1"),
         ("engine", {"no_such_field": 1}, "Extra inputs"),
+        ("preprocessor", {"aggregation_window_s": 5}, "less than or equal to 1"),
         ("preprocessor", {"batch_wait_timeout_s": 5}, "less than or equal to 1"),
         ("router", {"min_replicas": 3, "max_replicas": 2}, "exceeds max_replicas"),
         ("model", {"max_model_len": 4}, "greater than or equal to 16"),
@@ -37,6 +39,21 @@ def test_bad_fields_fail_with_the_field_named(
         AppConfig.model_validate({section: patch})
     assert fragment in str(info.value)
     assert section in str(info.value)
+
+
+def test_aggregation_window_keeps_its_old_field_names() -> None:
+    old = AppConfig.model_validate(
+        {"preprocessor": {"batch_wait_timeout_s": 0.05, "max_batch_size": 8}}
+    )
+    assert old.preprocessor.aggregation_window_s == 0.05
+    assert old.preprocessor.aggregation_max_requests == 8
+    # What build_app sends to every replica validates again under the new names.
+    again = AppConfig.model_validate(old.model_dump(mode="json"))
+    assert again.preprocessor == old.preprocessor
+    with pytest.raises(ValidationError, match="Extra inputs"):  # Both names: one too many.
+        AppConfig.model_validate(
+            {"preprocessor": {"aggregation_window_s": 0.05, "batch_wait_timeout_s": 0.05}}
+        )
 
 
 def test_gpu_placement_is_derived_from_parallel_sizes() -> None:

@@ -14,8 +14,8 @@ OURS = {
     "ray_serve_app_time_per_output_token_seconds_bucket",
     "ray_serve_app_prompt_tokens_total",
     "ray_serve_app_generation_tokens_total",
-    "ray_serve_app_preprocess_batch_size_bucket",
-    "ray_serve_app_preprocess_batch_wait_seconds_bucket",
+    "ray_serve_app_aggregation_window_size_bucket",
+    "ray_serve_app_aggregation_window_wait_seconds_bucket",
 }
 
 
