@@ -162,7 +162,7 @@ async def _stream(
                 created=created,
                 model=serving.model_name,
                 choices=choices,
-            ).model_dump_json(exclude_unset=True)
+            ).model_dump_json(exclude=None if include_usage else {"usage"})
         )
 
     usage = prepared.stats.usage

@@ -7,10 +7,12 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from serve_app.launch import load_serve_config, start, wait_ready
+from tests.serve.wire import AsyncCheckedTransport, CheckedTransport
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m-instruct"
@@ -65,9 +67,12 @@ def _reap_children() -> None:
 
 @pytest.fixture(scope="session")
 def client(base_url: str) -> OpenAI:
-    return OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    # Every body this client receives is checked against the SDK's types in strict mode.
+    http = httpx.Client(transport=CheckedTransport(), timeout=300)
+    return OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, http_client=http)
 
 
 @pytest.fixture
 def async_client(base_url: str) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=600)
+    http = httpx.AsyncClient(transport=AsyncCheckedTransport(), timeout=600)
+    return AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, http_client=http)

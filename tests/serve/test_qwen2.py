@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from openai import OpenAI
 from transformers import AutoTokenizer
 
 from serve_app import build_app
 from serve_app.models import resolve_model
+from tests.serve.wire import CheckedTransport
 
 QWEN = "tiny-qwen2"
 
@@ -37,7 +39,12 @@ def qwen_client(base_url: str) -> Iterator[OpenAI]:
     try:
         serve.run(app, name="qwen", route_prefix="/qwen", blocking=False)
         wait_ready(f"{base_url}/qwen", timeout_s=600)
-        yield OpenAI(base_url=f"{base_url}/qwen/v1", api_key="unused", max_retries=0, timeout=120)
+        yield OpenAI(
+            base_url=f"{base_url}/qwen/v1",
+            api_key="unused",
+            max_retries=0,
+            http_client=httpx.Client(transport=CheckedTransport(), timeout=120),
+        )
     finally:  # Also when the deploy or a test failed.
         serve.delete("qwen")
 

@@ -16,6 +16,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from serve_app import build_app
 from tests.serve.conftest import MODEL
+from tests.serve.wire import CheckedTransport
 
 ADMIN = "sk-admin-4c1f0e8a9b7d"
 LIMITED = "sk-limited-77e2a1c05f3b"
@@ -80,7 +81,12 @@ def _auth(key: str) -> dict[str, str]:
 
 
 def _client(url: str, key: str) -> OpenAI:
-    return OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=300)
+    return OpenAI(
+        base_url=f"{url}/v1",
+        api_key=key,
+        max_retries=0,
+        http_client=httpx.Client(transport=CheckedTransport(), timeout=300),
+    )
 
 
 def test_every_route_needs_a_key(secure_url: str) -> None:

@@ -23,6 +23,7 @@ from serve_app.hops import (
 from serve_app.openai import chat, completions
 from serve_app.openai.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.openai.serving import OpenAIServing, RequestStats
+from tests.serve.wire import WireFormatError, check_body
 
 WORDS = ["Hello", " there", "!"]
 
@@ -152,3 +153,55 @@ async def test_engine_error_before_first_token_raises_and_mid_stream_becomes_eve
     events = await _events(stream)
     assert json.loads(events[-2][6:])["error"]["message"] == "engine died"
     assert events[-1] == "data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+async def test_streamed_chat_chunks_are_strict_openai_chunks(include_usage: bool) -> None:
+    """Each chunk parses as the SDK's ChatCompletionChunk in strict mode, `object` included."""
+    stream = await chat.chat_completion(
+        serving(),
+        chat_request(n=2, stream=True, stream_options={"include_usage": include_usage}),
+        RequestStats("chat", "m"),
+    )
+    assert isinstance(stream, AsyncIterator)
+    bodies = [e[len("data: ") :].strip() for e in await _events(stream)][:-1]
+    for body in bodies:
+        check_body("/v1/chat/completions", body, streamed=True)
+        assert json.loads(body)["object"] == "chat.completion.chunk"
+        assert ("usage" in json.loads(body)) is include_usage
+    full = await chat.chat_completion(serving(), chat_request(), RequestStats("chat", "m"))
+    assert not isinstance(full, AsyncIterator)
+    check_body("/v1/chat/completions", full.model_dump_json(), streamed=False)
+
+
+def test_the_strict_check_rejects_what_lenient_sdk_parsing_accepts() -> None:
+    chunk = {
+        "id": "c",
+        "created": 1,
+        "model": "m",
+        "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}],
+    }
+    with pytest.raises(WireFormatError, match="object"):  # The chunks before this check.
+        check_body("/v1/chat/completions", json.dumps(chunk), streamed=True)
+    chunk |= {"object": "chat.completion.chunk", "surprise": 1}
+    with pytest.raises(WireFormatError, match="surprise"):
+        check_body("/v1/chat/completions", json.dumps(chunk), streamed=True)
+    chunk.pop("surprise")
+    check_body("/v1/chat/completions", json.dumps(chunk), streamed=True)
+
+
+async def test_completions_full_and_streamed_are_strict_openai_completions() -> None:
+    body = {"model": "smollm2-135m-instruct", "prompt": ["a", "b"], "n": 2, "logprobs": 2}
+    full = await completions.completion(
+        serving(), CompletionRequest.model_validate(body), RequestStats("cmpl", "m")
+    )
+    assert not isinstance(full, AsyncIterator)
+    check_body("/v1/completions", full.model_dump_json(), streamed=False)
+    stream = await completions.completion(
+        serving(),
+        CompletionRequest.model_validate(body | {"stream": True}),
+        RequestStats("cmpl", "m"),
+    )
+    assert isinstance(stream, AsyncIterator)
+    for event in (await _events(stream))[:-1]:
+        check_body("/v1/completions", event[len("data: ") :].strip(), streamed=True)
