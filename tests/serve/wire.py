@@ -147,11 +147,22 @@ def _checked(request: httpx.Request, response: httpx.Response) -> httpx.Response
     )
 
 
+# The pool of the SDK's own default client: httpx's default (100 connections) would queue the
+# tests' floods of concurrent streams inside the client instead of sending them.
+SDK_POOL = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+
+
 class CheckedTransport(httpx.HTTPTransport):
+    def __init__(self, limits: httpx.Limits = SDK_POOL) -> None:
+        super().__init__(limits=limits)
+
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         return _checked(request, super().handle_request(request))
 
 
 class AsyncCheckedTransport(httpx.AsyncHTTPTransport):
+    def __init__(self, limits: httpx.Limits = SDK_POOL) -> None:
+        super().__init__(limits=limits)
+
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         return _checked(request, await super().handle_async_request(request))
