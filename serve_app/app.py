@@ -10,6 +10,7 @@ from ray.serve import Application
 
 from serve_app.config import AppConfig
 from serve_app.engine.deployment import EngineDeployment
+from serve_app.engine.routing.options import request_router_config
 from serve_app.ingress.router import Router
 from serve_app.models import UnknownModelError, resolve_model
 from serve_app.preprocess.deployment import PreprocessorDeployment
@@ -34,6 +35,10 @@ def engine_options(config: AppConfig) -> dict[str, Any]:
         options["ray_actor_options"] |= {"num_cpus": 1, "num_gpus": 0}
         options["placement_group_bundles"] = bundles
         options["placement_group_strategy"] = strategy
+    callers = config.router.num_replicas
+    router = request_router_config(engine.routing, callers if callers != "auto" else None)
+    if router is not None:
+        options["request_router_config"] = router
     return options
 
 

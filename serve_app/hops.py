@@ -78,6 +78,8 @@ class PreprocessRequest:
 class TokenizedPrompt:
     token_ids: list[int]
     text: str | None = None
+    # Hashes of the block-aligned prefixes of token_ids, for cache-aware routing (may be empty).
+    block_hashes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,16 @@ class EngineRequest:
     trace_context: dict[str, str] = field(default_factory=dict)
     # False: the engine sends one final step instead of one per token (fewer hops per token).
     stream: bool = True
+    # Read by the engine's request router: prefix hashes (empty: route by load) and the
+    # conversation's session key (x-session-id header or the OpenAI `user` field).
+    block_hashes: tuple[int, ...] = ()
+    session_key: str | None = None
+
+    @property
+    def prompt(self) -> str:
+        """The token ids as text, one character per id: what Ray's PrefixCacheAffinityRouter
+        matches prefixes on (routing policy ``ray_prefix_cache``)."""
+        return "".join(map(chr, self.prompt_token_ids))
 
 
 @dataclass(frozen=True)

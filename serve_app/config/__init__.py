@@ -11,6 +11,7 @@ from serve_app.config.autoscaling import EngineAutoscalingConfig
 from serve_app.config.engine import EngineConfig
 from serve_app.config.model import GenerationDefaults, ModelConfig
 from serve_app.config.replicas import PreprocessorConfig, ReplicaConfig
+from serve_app.config.routing import RoutingConfig
 from serve_app.config.security import KeyRateLimit, RequestLimits, SecurityConfig
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "PreprocessorConfig",
     "ReplicaConfig",
     "RequestLimits",
+    "RoutingConfig",
     "SecurityConfig",
     "TracingConfig",
 ]

@@ -10,6 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from serve_app.config.autoscaling import EngineAutoscalingConfig, autoscaling_config, replica_env
 from serve_app.config.cores import ThreadsBind
 from serve_app.config.replicas import ReplicaConfig
+from serve_app.config.routing import RoutingConfig
 
 
 class EngineConfig(ReplicaConfig):
@@ -73,6 +74,11 @@ class EngineConfig(ReplicaConfig):
     )
     health_check_timeout_s: float = Field(
         30, gt=0, description="A health check slower than this fails; the replica is replaced."
+    )
+    routing: RoutingConfig = Field(
+        default_factory=RoutingConfig,
+        description="How callers pick an engine replica: prefix-cache and session aware by "
+        "default, spilling to less loaded replicas past a margin.",
     )
 
     def deployment_options(self) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from ray import serve
 
 from serve_app.config import AppConfig
 from serve_app.config.autoscaling import QUEUE_METRIC
+from serve_app.engine.routing.policy import KV_CACHE_TOKENS
 from serve_app.errors import APIError, ErrorInfo
 from serve_app.hops import EngineRequest, EngineStep
 from serve_app.observability import tracing
@@ -66,6 +67,11 @@ class EngineDeployment:
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Queue depth (vLLM running + waiting) for ``autoscaling.EngineQueuePolicy``."""
         return {QUEUE_METRIC: float(self.engine.num_unfinished())}
+
+    def record_routing_stats(self) -> dict[str, int]:
+        """Read by the request router in every caller (``routing.serve_router``): the KV cache
+        size sizes its index of what this replica holds."""
+        return {KV_CACHE_TOKENS: self.engine.kv_cache_tokens()}
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

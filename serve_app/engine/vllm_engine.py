@@ -258,6 +258,11 @@ class VLLMEngine:
         held_back = self._background.waiting
         return int(self._llm.output_processor.get_num_unfinished_requests()) + held_back
 
+    def kv_cache_tokens(self) -> int:
+        """Tokens the KV cache holds (blocks x block size), as the engine core sized it."""
+        cache = self._llm.vllm_config.cache_config
+        return int(cache.num_gpu_blocks or 0) * int(cache.block_size)
+
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -15,7 +15,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.batch_api import routes as batch_routes
-from serve_app.config import AppConfig
+from serve_app.config import AppConfig, RoutingConfig
 from serve_app.errors import BACKEND_UNAVAILABLE, APIError, ErrorInfo
 from serve_app.hops import PreprocessRequest, PreprocessResult, SamplingSpec
 from serve_app.ingress import http_errors
@@ -54,6 +54,15 @@ app = FastAPI(
 app.add_middleware(SecurityMiddleware)
 app.include_router(batch_routes.router)  # Before @serve.ingress copies the app.
 http_errors.install(app)
+
+
+# Above the class: Serve pickles the ingress class by value, with the globals known then.
+def session_key(routing: RoutingConfig, headers: Mapping[str, str], user: str | None) -> str | None:
+    """The key that keeps a conversation on one engine replica, if the client sent one."""
+    key = headers.get(routing.session_header) if routing.session_header else None
+    if not key and routing.session_from_user:
+        key = user
+    return key[:256] if key else None  # Only hashed: a longer key adds nothing.
 
 
 @serve.deployment(name="Router")
@@ -133,6 +142,7 @@ class Router:
             "/v1/chat/completions",
             request,
             lambda stats: chat.chat_completion(self.serving, body, stats),
+            user=body.user,
         )
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
@@ -142,6 +152,7 @@ class Router:
             "/v1/completions",
             request,
             lambda stats: completions.completion(self.serving, body, stats),
+            user=body.user,
         )
 
     async def _run(
@@ -149,9 +160,11 @@ class Router:
         route: str,
         request: Request,
         work: Callable[[RequestStats], Awaitable[BaseModel | AsyncIterator[str]]],
+        user: str | None = None,
     ) -> Response:
         """Trace, time and count one generation request; dispatch on the result type."""
         stats = RequestStats(route=route, model=self.serving.model_name)
+        stats.session_key = session_key(self.config.engine.routing, request.headers, user)
         span = tracing.tracer().start_span(
             f"POST {route}", context=tracing.extract(request.headers), kind=SpanKind.SERVER
         )

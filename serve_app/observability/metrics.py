@@ -130,3 +130,22 @@ class WindowMetrics:
         for wait in waits:
             self.wait.observe(max(wait, 0.0))
             self.old_wait.observe(max(wait, 0.0))
+
+
+class RoutingMetrics:
+    """The engine request router's decisions: affinity (cache hit expected) vs spill-over."""
+
+    def __init__(self, application: str, deployment: str) -> None:
+        from ray.util import metrics
+
+        self.decisions = metrics.Counter(
+            "serve_app_routing_decisions_total",
+            "Engine routing decisions by reason (affinity: to the replica holding the longest "
+            "prefix; spill: it was too busy; session: session affinity; balance: nothing to "
+            "match) and chosen replica.",
+            tag_keys=("application", "deployment", "reason", "replica"),
+        )
+        self.decisions.set_default_tags({"application": application, "deployment": deployment})
+
+    def record(self, reason: str, replica: str) -> None:
+        self.decisions.inc(1, {"reason": reason, "replica": replica})

@@ -60,6 +60,8 @@ class RequestStats:
     model: str
     request_id: str = ""
     trace_context: dict[str, str] = field(default_factory=dict)
+    # Keeps a conversation on one engine replica (see engine.routing.session_header).
+    session_key: str | None = None
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     usage: UsageCounter = field(default_factory=UsageCounter)
@@ -140,6 +142,8 @@ class OpenAIServing:
                 priority=prepared.priority,
                 trace_context=prepared.stats.trace_context,
                 stream=stream,
+                block_hashes=prompt.block_hashes,
+                session_key=prepared.stats.session_key,
             )
             for i, prompt in enumerate(prepared.prompts)
         ]

@@ -7,11 +7,13 @@ tokenizer call covers every request that arrived within the aggregation window.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from serve_app.config import AppConfig
 from serve_app.errors import APIError, ErrorInfo, context_length_exceeded
 from serve_app.hops import PreprocessRequest, PreprocessResult, SamplingSpec, TokenizedPrompt
+from serve_app.preprocess.block_hashes import block_hashes
 from serve_app.preprocess.constraints import check_structured, check_tools
 
 logger = logging.getLogger("serve_app.preprocess")
@@ -55,6 +57,11 @@ class Preprocessor:
         hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust)
         self.max_model_len = derive_max_model_len(config, hf_config)
         self.vocab_size = max(len(self.tokenizer), int(getattr(hf_config, "vocab_size", 0)))
+        # Block hashes only when the engine's request router reads them.
+        routing = config.engine.routing
+        self._hash_blocks = (
+            (routing.block_size, routing.max_hashed_blocks) if routing.hashes_needed() else None
+        )
 
     def preprocess_batch(self, requests: list[PreprocessRequest]) -> list[PreprocessResult]:
         """One result per request, in order; a bad request never fails its neighbours."""
@@ -185,6 +192,11 @@ class Preprocessor:
             )
             return PreprocessResult(error=err.info)
         max_tokens = requested if requested is not None else self.max_model_len - longest
+        if self._hash_blocks is not None:
+            size, most = self._hash_blocks
+            prompts = [
+                replace(p, block_hashes=block_hashes(p.token_ids, size, most)) for p in prompts
+            ]
         return PreprocessResult(prompts=prompts, sampling=sampling.with_max_tokens(max_tokens))
 
 

@@ -16,6 +16,7 @@ OURS = {
     "ray_serve_app_generation_tokens_total",
     "ray_serve_app_aggregation_window_size_bucket",
     "ray_serve_app_aggregation_window_wait_seconds_bucket",
+    "ray_serve_app_routing_decisions_total",
 }
 
 

@@ -1,0 +1,164 @@
+"""``RoutingPolicy`` on Ray Serve's request router extension API, for the Engine deployment.
+
+Serve builds one instance per DeploymentHandle in each process that calls the Engine (each
+Router replica) and runs it on its router loop. Serve pickles this module by value into those
+processes; what it imports (serve_app) must be importable there, as it is in every replica.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
+
+from serve_app.config.routing import RoutingConfig
+from serve_app.engine.routing.policy import KV_CACHE_TOKENS, RoutingPolicy
+from serve_app.observability.metrics import RoutingMetrics
+
+
+def request_keys(pending: PendingRequest | None) -> tuple[Sequence[int], str | None]:
+    """(block hashes, session key) of the first argument that carries block hashes.
+
+    Serve resolves arguments before routing starts, so ``args[0]`` is the EngineRequest
+    itself. Calls without one (health checks, stats) route by load.
+    """
+    if pending is None:
+        return (), None
+    handle_session = getattr(pending.metadata, "session_id", "") or None
+    for arg in (*pending.args, *pending.kwargs.values()):
+        hashes = getattr(arg, "block_hashes", None)
+        if hashes is not None:
+            return hashes, getattr(arg, "session_key", None) or handle_session
+    return (), handle_session
+
+
+# A pick Serve never sent (the request was cancelled first) stops counting after this long.
+PICK_TTL_S = 5.0
+
+
+# No FIFOMixin: with it Serve hands the replica chosen for one request to whichever request
+# heads the queue, which throws the prefix choice away.
+class PrefixAwareRequestRouter(RequestRouter):
+    """Longest cached prefix first; spill to a less loaded replica past a margin; sessions."""
+
+    def initialize_state(self, **routing: Any) -> None:
+        # Called once with request_router_kwargs (engine.routing), before update_replicas.
+        self._policy = RoutingPolicy(RoutingConfig.model_validate(routing))
+        # Picks Serve has not yet counted in its queue-length cache (it adds one when it
+        # sends): a burst routed at once (an aggregation window's worth, on an expired cache)
+        # must see its own earlier picks, or every request of it lands on one replica.
+        self._picks: dict[int, tuple[ReplicaID, float]] = {}
+        deployment = self._deployment_id
+        self._metrics = RoutingMetrics(deployment.app_name, deployment.name)
+
+    @property
+    def policy(self) -> RoutingPolicy:
+        return self._policy
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self._policy.set_replicas(r.replica_id.unique_id for r in replicas)
+        for replica in replicas:
+            tokens = (replica.routing_stats or {}).get(KV_CACHE_TOKENS)
+            if isinstance(tokens, int):
+                self._policy.set_kv_capacity(replica.replica_id.unique_id, tokens)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        # Serve calls this as soon as a probe or a request sees the actor dead, before the
+        # controller's next replica-set broadcast.
+        super().on_replica_actor_died(replica_id)
+        self._policy.remove_replica(replica_id.unique_id)
+
+    async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[ReplicaID, int]:
+        """Queue lengths from Serve's per-caller cache, probing the replicas it lacks."""
+        cache = self.replica_queue_len_cache
+        lens: dict[ReplicaID, int] = {}
+        missing: list[RunningReplica] = []
+        for replica in replicas:
+            n = cache.get(replica.replica_id)
+            if n is None:
+                missing.append(replica)
+            else:
+                lens[replica.replica_id] = n
+        if missing:
+            # Serve's own prober (Ray's PrefixCacheAffinityRouter uses it too): in parallel,
+            # short deadline, fills the cache, handles dead actors.
+            for replica, n in await self._probe_queue_lens(missing, 0):
+                if n is not None:
+                    lens[replica.replica_id] = n
+        return lens
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            # Without this Serve retries a round of full replicas in a tight loop.
+            pending_request.routing_context.should_backoff = True
+        if len(candidate_replicas) <= 1:
+            # Nothing to choose: no queue probe, no policy work (on_request_routed still
+            # records the blocks, for when a second replica joins).
+            return [candidate_replicas] if candidate_replicas else []
+        lens = await self._queue_lens(candidate_replicas)
+        picked = self._picked()
+        lens = {replica: n + picked[replica] for replica, n in lens.items()}
+        # Replicas at max_ongoing_requests would reject; unreachable ones are skipped.
+        open_ = [
+            r
+            for r in candidate_replicas
+            if r.replica_id in lens and lens[r.replica_id] < r.max_ongoing_requests
+        ]
+        if not open_:
+            return [candidate_replicas]  # All full or unknown: Serve probes them, backs off.
+        by_name = {r.replica_id.unique_id: r for r in open_}
+        hashes, session = request_keys(pending_request)
+        decision = self._policy.choose(
+            hashes,
+            {r.replica_id.unique_id: lens[r.replica_id] for r in open_},
+            list(by_name),
+            session_key=session,
+        )
+        self._metrics.record(decision.reason, decision.replica)
+        chosen = by_name[decision.replica]
+        if pending_request is not None:
+            self._picks[id(pending_request)] = (chosen.replica_id, time.monotonic())
+        # Second rank, used only if `chosen` rejects (it filled up since our view of it): the
+        # two least loaded others, as Serve's power of two choices would pick.
+        rest = sorted((r for r in open_ if r is not chosen), key=lambda r: lens[r.replica_id])
+        return [[chosen], rest[:2]] if rest else [[chosen]]
+
+    def _picked(self) -> Counter[ReplicaID]:
+        """Recent picks per replica that Serve's cache does not count yet."""
+        now = time.monotonic()
+        for key, (_, at) in list(self._picks.items()):
+            if now - at > PICK_TTL_S:
+                del self._picks[key]
+        return Counter(replica for replica, _ in self._picks.values())
+
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        # Serve's cache counts the request from here on: drop one pick of ours for it.
+        super().on_send_request(replica_id)
+        for key, (replica, _) in self._picks.items():
+            if replica == replica_id:
+                del self._picks[key]
+                break
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
+        self._picks.pop(id(pending_request), None)
+        # Called once the replica accepted. choose() already recorded the blocks at its pick;
+        # if Serve fell back to the second rank, record them where they really went.
+        hashes, _ = request_keys(pending_request)
+        name = replica_id.unique_id
+        if hashes and not self._policy.index.holds(name, hashes[-1]):
+            self._policy.record(name, hashes)
