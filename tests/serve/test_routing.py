@@ -1,0 +1,215 @@
+"""Cache-aware routing across two engine replicas, on the real stack.
+
+One app for the module, deployed from a Serve config (as `serve deploy` would): two small
+engine replicas (1 GiB of KV cache each) behind the prefix-aware request router, with a tight
+spill margin so a burst on one prompt must spill. Its last test scales the engines 2 -> 1 by
+redeploying the config while requests run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+from serve_app.launch import _merge, load_serve_config, wait_ready
+from tests.serve.conftest import MODEL, ROOT
+from tests.serve.test_observability import _metrics_text, _sample
+
+APP = "routing"
+ROUTING: dict[str, Any] = {
+    "engine": {
+        "num_replicas": 2,
+        "kv_cache_space_gib": 1,
+        "num_cpus": 0.1,
+        "graceful_shutdown_timeout_s": 60,
+        "routing": {"spill_margin": 1, "spill_ratio": 0},
+    },
+    "router": {"num_cpus": 0.05},
+    "preprocessor": {"num_cpus": 0.05},
+    # Drains are bounded by the request timeout (graceful shutdown must cover it): a short one
+    # keeps the scale-down test from waiting out a 10-minute default.
+    "request_timeout_s": 50,
+}
+DECISIONS = "ray_serve_app_routing_decisions_total"
+
+
+def system_prompt(k: int) -> str:
+    """~700 tokens, distinct per k from the first sentence on."""
+    rules = " ".join(f"Rule {k}.{i}: answer politely about topic {i * 7 + k}." for i in range(60))
+    return f"You are support agent number {k} of a shipping company. {rules}"
+
+
+def chat(k: int, question: str, max_tokens: int = 4) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": system_prompt(k)},
+            {"role": "user", "content": question},
+        ],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+
+
+def _deploy(engine_replicas: int | None = None) -> None:
+    """Apply the app's Serve config; a changed replica count alone is a plain rescale."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    args = load_serve_config(ROOT / "serve_config.cpu.yaml")["applications"][0]["args"]
+    app: dict[str, Any] = {
+        "name": APP,
+        "route_prefix": f"/{APP}",
+        "import_path": "serve_app:build_app",
+        "args": _merge(args, ROUTING),
+    }
+    if engine_replicas is not None:
+        app["deployments"] = [{"name": "Engine", "num_replicas": engine_replicas}]
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
+
+
+def _engine_replicas() -> dict[str, int]:
+    """Replica states of the app's Engine, e.g. {"RUNNING": 2}."""
+    from ray import serve
+
+    app = serve.status().applications.get(APP)
+    if app is None or "Engine" not in app.deployments:
+        return {}
+    states = app.deployments["Engine"].replica_states
+    return {str(state): n for state, n in states.items() if n}
+
+
+def _wait_for_engines(running: int, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _engine_replicas() != {"RUNNING": running}:
+        assert time.monotonic() < deadline, _engine_replicas()
+        time.sleep(1)
+
+
+def _decisions(**labels: str) -> dict[str, float]:
+    """This app's routing decisions per replica, as exported to Prometheus."""
+    text = _metrics_text()
+    replicas = {
+        line.split('replica="', 1)[1].split('"', 1)[0]
+        for line in text.splitlines()
+        if line.startswith(DECISIONS) and f'application="{APP}"' in line
+    }
+    return {r: _sample(text, DECISIONS, application=APP, replica=r, **labels) for r in replicas}
+
+
+def _settled_decisions(expected_total: float | None = None) -> dict[str, float]:
+    """Per-replica decisions once the export stops moving (or reaches ``expected_total``)."""
+    import ray
+
+    gap_s = ray._config.metrics_report_interval_ms() / 1000 + 2
+    value, deadline = _decisions(), time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if expected_total is not None and sum(value.values()) >= expected_total:
+            return value
+        time.sleep(gap_s)
+        again = _decisions()
+        if expected_total is None and again == value:
+            return value
+        value = again
+    return value
+
+
+@pytest.fixture(scope="module")
+def routing_url(base_url: str) -> Iterator[str]:
+    from ray import serve
+
+    url = f"{base_url}/{APP}"
+    try:
+        _deploy()
+        wait_ready(url, timeout_s=600)
+        _wait_for_engines(2)
+        yield url
+    finally:  # Also when the deploy or a test failed.
+        serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def routing_client(routing_url: str) -> OpenAI:
+    return OpenAI(base_url=f"{routing_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_requests_sharing_a_prefix_are_served_from_one_replicas_cache(
+    routing_client: OpenAI,
+) -> None:
+    """Serve's default router would send each follow-up to a random one of the two replicas
+    (half of them recomputing the prompt); every follow-up here finds its prefix cached."""
+    questions = ["Where is my parcel?", "Can I change the address?", "Do you ship abroad?"]
+    for k in (1, 2):
+        first = routing_client.chat.completions.create(**chat(k, "Hello"))
+        assert first.usage is not None
+        for question in questions:
+            usage = routing_client.chat.completions.create(**chat(k, question)).usage
+            assert usage is not None and usage.prompt_tokens_details is not None
+            cached = usage.prompt_tokens_details.cached_tokens or 0
+            assert cached >= 0.8 * first.usage.prompt_tokens, (k, question, cached)
+
+
+def test_a_hot_prompt_spills_over_to_the_other_replica(routing_url: str) -> None:
+    before = _settled_decisions()
+    burst = 12
+
+    async def run() -> list[int]:
+        async with AsyncOpenAI(
+            base_url=f"{routing_url}/v1", api_key="unused", max_retries=0, timeout=180
+        ) as client:
+            calls = [
+                client.chat.completions.with_raw_response.create(**chat(1, f"Question {i}?", 24))
+                for i in range(burst)
+            ]
+            return [r.status_code for r in await asyncio.gather(*calls)]
+
+    assert asyncio.run(run()) == [200] * burst
+    after = _settled_decisions(expected_total=sum(before.values()) + burst)
+    served = {r: after.get(r, 0) - before.get(r, 0) for r in after}
+    assert sum(served.values()) == burst
+    assert len([n for n in served.values() if n > 0]) == 2, served  # Not all on one replica.
+    spilled = sum(_decisions(reason="spill").values())
+    assert spilled >= 1
+
+
+def test_scaling_down_mid_run_costs_no_request(routing_url: str) -> None:
+    """Engines 2 -> 1 by redeploying the config while 4 clients keep sending: the leaving
+    replica drains, its prompts re-route to the other one and are cached there again."""
+    results: list[tuple[int, int]] = []  # (prompt, status)
+
+    async def client_loop(http: httpx.AsyncClient, w: int, stop: asyncio.Event) -> None:
+        n = 0
+        while not stop.is_set():
+            k = 1 + (w + n) % 2
+            body = chat(k, f"Client {w} asks question {n}.", 8)
+            response = await http.post(f"{routing_url}/v1/chat/completions", json=body)
+            results.append((k, response.status_code))
+            n += 1
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        async with httpx.AsyncClient(timeout=180) as http:
+            tasks = [asyncio.create_task(client_loop(http, w, stop)) for w in range(4)]
+            await asyncio.sleep(3)
+            await loop.run_in_executor(None, _deploy, 1)
+            await loop.run_in_executor(None, _wait_for_engines, 1, 300)
+            sent_at_scale = len(results)
+            while len(results) < sent_at_scale + 8:  # Some traffic on the one left.
+                await asyncio.sleep(0.5)
+            stop.set()
+            await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+    statuses = [status for _, status in results]
+    assert statuses == [200] * len(results), statuses
+    for k in (1, 2):  # Both prompts are cached on the replica left.
+        with httpx.Client(timeout=120) as http:
+            response = http.post(f"{routing_url}/v1/chat/completions", json=chat(k, "Thanks!"))
+        assert response.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
