@@ -49,6 +49,8 @@ def check_model(config: AppConfig) -> None:
         path = resolve_model(config.model.name)
     except UnknownModelError as exc:
         raise ValueError(f"model.name: {exc}") from exc
+    if config.model.chat_template is not None:
+        check_chat_template(config.model.chat_template)
     if Path(path).is_dir():
         from transformers import AutoConfig
 
@@ -56,6 +58,21 @@ def check_model(config: AppConfig) -> None:
             path, trust_remote_code=config.model.trust_remote_code
         )
         derive_max_model_len(config, hf_config)
+
+
+def check_chat_template(text: str) -> None:
+    """model.chat_template compiles in the sandbox requests are rendered in: a broken template
+    fails the build, with its line, instead of every chat request."""
+    from jinja2 import TemplateSyntaxError
+
+    from serve_app.preprocess.templates import compile_template
+
+    try:
+        compile_template(text)
+    except TemplateSyntaxError as exc:
+        raise ValueError(
+            f"model.chat_template: line {exc.lineno}: {exc.message}; fix the template"
+        ) from exc
 
 
 def check_placement(config: AppConfig, nodes: list[dict[str, Any]] | None = None) -> None:

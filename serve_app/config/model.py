@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from serve_app.config.base import StrictModel
 
@@ -52,6 +53,31 @@ class ModelConfig(StrictModel):
         default_factory=GenerationDefaults,
         description="Server defaults for sampling fields a request leaves unset.",
     )
+    chat_template: str | None = Field(
+        None,
+        max_length=1024 * 1024,
+        description="A Jinja chat template replacing the checkpoint's: the template text, or "
+        "the path of a file holding it (read when the config is validated, so replicas on "
+        "other nodes get the text). Compiled when the app is built. Requests cannot send "
+        "templates.",
+    )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_text(cls, value: str | None) -> str | None:
+        if value is None or "{{" in value or "{%" in value:
+            return value
+        path = Path(value).expanduser()
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(
+                f"{value!r} is neither a Jinja template (no {{{{ or {{%) nor a readable UTF-8 "
+                f"file ({exc}); give the template text or its path"
+            ) from None
+        if "{{" not in text and "{%" not in text:
+            raise ValueError(f"{path} holds no Jinja template (no {{{{ or {{%)")
+        return text
 
     @property
     def public_name(self) -> str:

@@ -95,3 +95,11 @@ class PreprocessorConfig(ReplicaConfig):
         description="Most requests tokenized together in one window. Old name, still "
         "accepted: max_batch_size.",
     )
+    chat_template_timeout_s: float = Field(
+        1.0,
+        gt=0,
+        le=60,
+        description="Longest one request's chat template may take to render, in seconds; "
+        "slower is a 400 (code chat_template_limit) for that request only. Renders run inside "
+        "the aggregation window, so this also bounds how long one request can hold it up.",
+    )

@@ -8,12 +8,25 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field, field_validator
 
 from serve_app.config.base import StrictModel
 
 NAME_RE = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+# apply_chat_template's own parameters and the inputs it renders: never a client's to set.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "chat_template", "tokenize", "tools", "documents", "messages", "conversation",
+        "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+        "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation",
+        "max_length", "bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
+        "cls_token", "mask_token", "additional_special_tokens",
+    }
+)  # fmt: skip
+# A flag a template reads as a plain Jinja variable: an identifier, nothing longer.
+TemplateFlag = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")]
 
 
 class KeyRateLimit(StrictModel):
@@ -99,6 +112,13 @@ class SecurityConfig(StrictModel):
         description="Largest total size of the request headers; larger gets 431.",
     )
     limits: RequestLimits = Field(default_factory=RequestLimits)
+    allowed_chat_template_kwargs: list[TemplateFlag] = Field(
+        default_factory=lambda: ["enable_thinking"],
+        max_length=64,
+        description="chat_template_kwargs keys a request may set (the flags your model's "
+        "template reads; Qwen3's: enable_thinking). Any other key is a 400 naming it. "
+        "Template parameters (chat_template, tokenize, tools, documents, ...) cannot be allowed.",
+    )
 
     @field_validator("api_keys_file")
     @classmethod
@@ -114,6 +134,17 @@ class SecurityConfig(StrictModel):
         for name in value:
             if not NAME_RE.fullmatch(name):
                 raise ValueError(f"{name!r} is not a key name ([A-Za-z0-9_.-], 1-64 chars)")
+        return value
+
+    @field_validator("allowed_chat_template_kwargs")
+    @classmethod
+    def _not_reserved(cls, value: list[TemplateFlag]) -> list[TemplateFlag]:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(value))
+        if reserved:
+            raise ValueError(
+                f"{', '.join(reserved)} cannot be allowed: they choose or drive the template "
+                "itself (set model.chat_template for another template)"
+            )
         return value
 
     @property

@@ -1,7 +1,8 @@
 """Chat templating, tokenization and validation: everything the engine would reject, earlier.
 
 A plain class (no Ray): the Serve deployment wraps ``preprocess_batch`` in ``@serve.batch`` so one
-tokenizer call covers every request that arrived within the aggregation window.
+tokenizer call covers every request that arrived within the aggregation window. Chat templates
+render in a bounded sandbox (``templates``), so one request's render cannot hold the window long.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from serve_app.errors import APIError, ErrorInfo, context_length_exceeded
 from serve_app.hops import PreprocessRequest, PreprocessResult, SamplingSpec, TokenizedPrompt
 from serve_app.preprocess.block_hashes import block_hashes
 from serve_app.preprocess.constraints import check_structured, check_tools
+from serve_app.preprocess.templates import ChatTemplates
 
 logger = logging.getLogger("serve_app.preprocess")
 
@@ -61,6 +63,14 @@ class Preprocessor:
         routing = config.engine.routing
         self._hash_blocks = (
             (routing.block_size, routing.max_hashed_blocks) if routing.hashes_needed() else None
+        )
+        # The operator's template over the client's data: allow-listed kwargs, bounded render.
+        self.templates = ChatTemplates(
+            self.tokenizer,
+            override=config.model.chat_template,
+            allowed_kwargs=config.security.allowed_chat_template_kwargs,
+            timeout_s=config.preprocessor.chat_template_timeout_s,
+            max_chars=self.max_model_len * _MAX_CHARS_PER_TOKEN,  # More is rejected anyway.
         )
 
     def preprocess_batch(self, requests: list[PreprocessRequest]) -> list[PreprocessResult]:
@@ -113,18 +123,14 @@ class Preprocessor:
         check_tools(request.tools)
         if request.kind == "completion":
             return [(prompt, True) for prompt in request.prompts or []]
-        try:
-            text = self.tokenizer.apply_chat_template(
-                request.messages or [],
-                tools=request.tools,  # type: ignore[arg-type]
-                add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                tokenize=False,
-                **request.chat_template_kwargs,
-            )
-        except Exception as exc:  # jinja2 raises TemplateError and friends for bad chats.
-            raise APIError(f"Could not apply the chat template: {exc}", param="messages") from exc
-        return [(str(text), False)]
+        text = self.templates.render(
+            request.messages or [],
+            tools=request.tools,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            kwargs=request.chat_template_kwargs,
+        )
+        return [(text, False)]
 
     def _check_chars(self, request: PreprocessRequest, text: str) -> None:
         try:

@@ -22,6 +22,10 @@ LONG = "word " * 5000  # Beyond the 4096-token window, within the body limit.
 DEEP = "[" * 100_000 + "]" * 100_000  # Nesting deeper than any recursive parser allows.
 BIG = 3 * 1024 * 1024  # Beyond the default 2 MiB body limit.
 IRE = "invalid_request_error"
+# A template that would loop ~10^10 times, each allocating a GB: never run, refused unread.
+BOMB = "{% for i in range(99999) %}{% for j in range(99999) %}{{ 'x' * 10**9 }}{% endfor %}" + (
+    "{% endfor %}"
+)
 
 
 def _json(value: Any) -> bytes:
@@ -127,7 +131,20 @@ CASES: list[Any] = [
     _c("messages-string", ch(messages="hello"), 400, "messages", IV),
     _c("null-messages", raw("chat", _json({**CHAT, "messages": None})), 400, "messages", IV),
     _c("too-many-messages", ch(messages=USER * 4097), 400, "messages", IV),
-    _c("template-kwargs-clash", ch(chat_template_kwargs={"tokenize": True}), 400, "messages", None),
+    # Templates are the operator's: only allow-listed flags (enable_thinking by default).
+    _c("template-kwargs-tokenize", ch(chat_template_kwargs={"tokenize": True}), 400,
+       "chat_template_kwargs.tokenize", IV),
+    _c("template-kwargs-template", ch(chat_template_kwargs={"chat_template": BOMB}), 400,
+       "chat_template_kwargs.chat_template", IV),
+    _c("template-kwargs-tools", ch(chat_template_kwargs={"tools": [TOOL]}), 400,
+       "chat_template_kwargs.tools", IV),
+    _c("template-kwargs-documents", ch(chat_template_kwargs={"documents": [{"text": "x"}]}),
+       400, "chat_template_kwargs.documents", IV),
+    _c("template-kwargs-unknown", ch(chat_template_kwargs={"bos_token": "{{ 7 * 7 }}"}), 400,
+       "chat_template_kwargs.bos_token", IV),
+    _c("template-kwargs-list", ch(chat_template_kwargs=["enable_thinking"]), 400,
+       "chat_template_kwargs", IV),
+    _c("request-chat-template", ch(chat_template=BOMB), 400, "chat_template", IV),
     # Prompts.
     _c("long-chat-prompt", msg(role="user", content=LONG), 400, "messages", CL),
     _c("long-completion-prompt", co(prompt=LONG), 400, "prompt", CL),
@@ -246,6 +263,13 @@ def test_bad_neighbour_does_not_fail_a_good_request(base_url: str) -> None:
     with ThreadPoolExecutor(max_workers=8) as pool:
         good = list(pool.map(post, [_json(CHAT), bad] * 4))[::2]
     assert good == [200] * 4, good
+
+
+def test_allowed_template_kwarg_is_served(base_url: str) -> None:
+    """The allow-list's default flag (enable_thinking) still reaches the template."""
+    body = {**CHAT, "chat_template_kwargs": {"enable_thinking": False}}
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
 
 
 @pytest.mark.parametrize(

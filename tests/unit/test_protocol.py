@@ -94,6 +94,12 @@ def test_chat_rejects_bad_values(patch: dict[str, object]) -> None:
         ChatCompletionRequest.model_validate({**CHAT, **patch})
 
 
+def test_request_templates_are_refused() -> None:
+    # Accepted (and ignored) before: the template is the operator's (model.chat_template).
+    with pytest.raises(ValidationError, match=r"model\.chat_template"):
+        ChatCompletionRequest.model_validate({**CHAT, "chat_template": "{{ 'x' * 10**9 }}"})
+
+
 def test_unknown_fields_are_accepted_and_logged(caplog: pytest.LogCaptureFixture) -> None:
     request = ChatCompletionRequest.model_validate({**CHAT, "brand_new_field": 1})
     assert request.model_extra == {"brand_new_field": 1}

@@ -86,8 +86,12 @@ class ChatCompletionRequest(SamplingFields, StructuredFields):
     tools: Annotated[list[ToolDef], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    # vLLM extras for the chat template.
+    # vLLM extras for the chat template. Only the server's allow-list of keys is accepted
+    # (security.allowed_chat_template_kwargs); the template itself is the operator's.
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = Field(
+        None, description="Refused: set model.chat_template on the server instead."
+    )
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
@@ -99,6 +103,13 @@ class ChatCompletionRequest(SamplingFields, StructuredFields):
             raise ValueError("continue_final_message: needs add_generation_prompt set to false")
         if self.tool_choice not in (None, "none") and not self.tools:
             raise ValueError("tool_choice: needs tools to choose from")
+        if self.chat_template is not None:
+            # vLLM too refuses request templates (unless --trust-request-chat-template): Jinja
+            # from a client runs in the preprocessor, next to every other tenant's requests.
+            raise ValueError(
+                "chat_template: templates from requests are not accepted; the server's operator "
+                "can set model.chat_template"
+            )
         return self
 
     def template_tools(self) -> list[dict[str, Any]] | None:
