@@ -163,17 +163,17 @@ class BatchService:
         return {"total": total, "completed": ok, "failed": failed}
 
     async def _call(self, endpoint: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        body = body | {"stream": False, "priority": max(self.priority, body.get("priority", 0))}
         stats = RequestStats(route=endpoint, model=self.serving.model_name)
         try:
+            work: Any
             if endpoint == "/v1/chat/completions":
-                work: Any = chat.chat_completion(
-                    self.serving, ChatCompletionRequest.model_validate(body), stats
-                )
+                chat_request = ChatCompletionRequest.model_validate(body | {"stream": False})
+                self._in_background(chat_request)
+                work = chat.chat_completion(self.serving, chat_request, stats)
             else:
-                work = completions.completion(
-                    self.serving, CompletionRequest.model_validate(body), stats
-                )
+                request = CompletionRequest.model_validate(body | {"stream": False})
+                self._in_background(request)
+                work = completions.completion(self.serving, request, stats)
             result = await asyncio.wait_for(work, self.config.request_timeout_s)
             return 200, result.model_dump(mode="json")
         except ValidationError as exc:
@@ -185,6 +185,15 @@ class BatchService:
         except Exception as exc:
             info = backend_error(exc) or ErrorInfo(repr(exc), 500, "server_error")
         return info.status, info.body()
+
+    def _in_background(self, request: ChatCompletionRequest | CompletionRequest) -> None:
+        """Batch lines never run ahead of interactive traffic, whatever priority a line asks.
+
+        Raised after validation, so any value the request model accepts (an int, or a string
+        the lax model coerces) is clamped, and one it refuses is that line's 400, not a crash
+        of the whole batch.
+        """
+        request.priority = max(self.priority, request.priority)
 
     def _finish(self, batch_id: str, status: str, stamp: str) -> None:
         batch = self.store.get_batch(batch_id)

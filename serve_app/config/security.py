@@ -39,8 +39,9 @@ class KeyRateLimit(StrictModel):
         None,
         ge=1,
         le=10**12,
-        description="Tokens per minute per key, charged up front: the prompt estimate "
-        "(characters / 4, or the token ids) plus n × max_tokens; unset: unlimited.",
+        description="Tokens per minute per key, charged up front: every prompt's estimate "
+        "(characters / 4, or the token ids) plus n × max_tokens per prompt plus the tool "
+        "definitions (JSON characters / 4); unset: unlimited.",
     )
 
 
@@ -96,8 +97,15 @@ class SecurityConfig(StrictModel):
         1024,
         ge=1,
         le=10_000_000,
-        description="Completion tokens charged to tokens_per_minute when a chat request sets "
-        "no max_tokens (completions default to 16, as in OpenAI's API).",
+        description="Completion tokens charged to tokens_per_minute per prompt and choice when "
+        "a chat request sets no max_tokens, or a completion sets it to null (an unset one "
+        "defaults to 16, as in OpenAI's API).",
+    )
+    key_priorities: dict[str, int] = Field(
+        default_factory=dict,
+        description="Lowest vLLM priority each key name's requests run at (lower runs first), "
+        "e.g. {ops: -10, nightly: 100}. A client's lower value is raised to its key's floor; "
+        "keys not listed have floor 0, so no client jumps ahead of the default by itself.",
     )
     max_body_bytes: int = Field(
         2 * 1024 * 1024,
@@ -136,6 +144,19 @@ class SecurityConfig(StrictModel):
                 raise ValueError(f"{name!r} is not a key name ([A-Za-z0-9_.-], 1-64 chars)")
         return value
 
+    @field_validator("key_priorities")
+    @classmethod
+    def _priorities(cls, value: dict[str, int]) -> dict[str, int]:
+        for name, floor in value.items():
+            if not NAME_RE.fullmatch(name):
+                raise ValueError(f"{name!r} is not a key name ([A-Za-z0-9_.-], 1-64 chars)")
+            if not -(2**31) <= floor < 2**31:
+                raise ValueError(
+                    f"{name}: {floor} is not a vLLM priority; give one between -2147483648 "
+                    "and 2147483647"
+                )
+        return value
+
     @field_validator("allowed_chat_template_kwargs")
     @classmethod
     def _not_reserved(cls, value: list[TemplateFlag]) -> list[TemplateFlag]:
@@ -150,6 +171,10 @@ class SecurityConfig(StrictModel):
     @property
     def rate_limited(self) -> bool:
         return bool(self.requests_per_minute or self.tokens_per_minute or self.key_rate_limits)
+
+    def min_priority(self, key_name: str | None) -> int:
+        """The lowest priority a request of this key runs at (0 unless key_priorities says)."""
+        return self.key_priorities.get(key_name or "", 0)
 
     def rate_limit_for(self, name: str) -> KeyRateLimit:
         default = KeyRateLimit(

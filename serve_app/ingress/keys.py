@@ -89,7 +89,8 @@ def load_keys(config: SecurityConfig, environ: Mapping[str, str] | None = None) 
         logger.warning(
             "No API keys configured (%s, api_keys_file): /v1 is open", config.api_keys_env
         )
-    for name in config.key_rate_limits:
-        if name not in names:
-            logger.warning("security.key_rate_limits names unknown key %r", name)
+    for field in ("key_rate_limits", "key_priorities"):
+        for name in getattr(config, field):
+            if name not in names:  # A typo would silently leave that key at the defaults.
+                logger.warning("security.%s names unknown key %r", field, name)
     return KeyRing(tuple(names), tuple(digests))

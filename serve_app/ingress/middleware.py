@@ -22,12 +22,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from serve_app.config.security import SecurityConfig
 from serve_app.errors import ErrorInfo
 from serve_app.ingress.keys import KeyRing, load_keys
-from serve_app.ingress.ratelimit import (
-    LimiterUnavailable,
-    RateLimitBackend,
-    RayRateLimiter,
-    estimate_tokens,
-)
+from serve_app.ingress.ratelimit import LimiterUnavailable, RateLimitBackend, RayRateLimiter
+from serve_app.openai.charging import charge_of_body
 
 logger = logging.getLogger("serve_app.security")
 
@@ -231,7 +227,7 @@ class SecurityMiddleware:
         limit = config.rate_limit_for(name)
         tokens = 0
         if limit.tokens_per_minute is not None:
-            tokens = estimate_tokens(route_path(scope), body, config.unset_max_tokens_charge)
+            tokens = charge_of_body(route_path(scope), body, config.unset_max_tokens_charge)
         assert state.limiter is not None
         try:
             decision = await state.limiter.acquire(name, tokens, limit)

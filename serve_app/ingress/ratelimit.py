@@ -10,8 +10,6 @@ allowance, never a lock-out).
 from __future__ import annotations
 
 import asyncio
-import json
-import math
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
@@ -139,40 +137,3 @@ class RayRateLimiter:
                 self._actor = None  # Its owner went away; get-or-create a fresh one.
                 await asyncio.sleep(0.1 * (attempt + 1))
         raise LimiterUnavailable(f"rate limiter actor {self.name} is unavailable")
-
-
-def estimate_tokens(path: str, body: bytes, unset_max_tokens_charge: int) -> int:
-    """Tokens to charge up front: the prompt estimate plus n × the completion budget.
-
-    Charged before the work, never refunded: a key cannot overshoot its budget by sending many
-    requests at once. Unparseable bodies cost nothing here (they get a 400 anyway).
-    """
-    chat = path.endswith("/chat/completions")
-    if not (chat or path.endswith("/completions")):
-        return 0
-    try:
-        payload = json.loads(body)
-    except ValueError:
-        return 0
-    if not isinstance(payload, dict):
-        return 0
-    prompt = [m.get("content") for m in payload.get("messages") or [] if isinstance(m, dict)]
-    prompt_tokens = _prompt_tokens(prompt if chat else payload.get("prompt"))
-    budget = payload.get("max_completion_tokens") or payload.get("max_tokens")
-    if not (isinstance(budget, int) and budget > 0):
-        budget = unset_max_tokens_charge if chat else 16
-    n = payload.get("n")
-    n = min(n, 1024) if isinstance(n, int) and n > 0 else 1
-    return prompt_tokens + n * min(budget, 10**9)
-
-
-def _prompt_tokens(prompt: Any) -> int:
-    if isinstance(prompt, str):
-        return math.ceil(len(prompt) / 4)  # ~4 characters per token on English text.
-    if isinstance(prompt, int):
-        return 1
-    if isinstance(prompt, dict):
-        return _prompt_tokens(prompt.get("text"))
-    if isinstance(prompt, list):
-        return sum(_prompt_tokens(item) for item in prompt)
-    return 0

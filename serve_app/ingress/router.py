@@ -22,6 +22,7 @@ from serve_app.ingress import http_errors
 from serve_app.ingress.handles import bounded_stream, timeout_error
 from serve_app.ingress.http_errors import error_response
 from serve_app.ingress.middleware import SecurityMiddleware, configure
+from serve_app.ingress.tenancy import allowed_priority, tenant_of
 from serve_app.observability import tracing
 from serve_app.observability.metrics import RouterMetrics
 from serve_app.openai import chat, completions
@@ -137,7 +138,7 @@ class Router:
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
-        check_limits(body, self.config.security.limits)
+        self._check(body, request)
         return await self._run(
             "/v1/chat/completions",
             request,
@@ -147,13 +148,18 @@ class Router:
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
-        check_limits(body, self.config.security.limits)
+        self._check(body, request)
         return await self._run(
             "/v1/completions",
             request,
             lambda stats: completions.completion(self.serving, body, stats),
             user=body.user,
         )
+
+    def _check(self, body: ChatCompletionRequest | CompletionRequest, request: Request) -> None:
+        """The operator's bounds on a client's request, before any work is spent on it."""
+        check_limits(body, self.config.security.limits)
+        body.priority = allowed_priority(body.priority, tenant_of(request), self.config.security)
 
     async def _run(
         self,

@@ -16,6 +16,7 @@ from tests.serve.conftest import MODEL
 
 USER = [{"role": "user", "content": "hi"}]
 CHAT: dict[str, Any] = {"model": MODEL, "messages": USER, "max_tokens": 2}
+COMPLETION: dict[str, Any] = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 COMP: dict[str, Any] = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
 TOOL: dict[str, Any] = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
 LONG = "word " * 5000  # Beyond the 4096-token window, within the body limit.
@@ -164,6 +165,9 @@ CASES: list[Any] = [
     _c("logit-bias-beyond-vocab", co(logit_bias={"99999999": 1}), 400, "logit_bias", None),
     _c("min-tokens-above-max-tokens", ch(min_tokens=10), 400, "min_tokens", None),
     _c("priority-below-int64", co(priority=-(2**63) - 1), 400, "priority", IV),
+    _c("priority-above-int32", co(priority=2**31), 400, "priority", IV),
+    _c("priority-string", ch(priority="high"), 400, "priority", IV),
+    _c("priority-fractional", co(priority=0.5), 400, "priority", IV),
     # Size limits (the security middleware).
     _c("oversized-body", raw("chat", b"x" * BIG), 413, None, "request_too_large"),
     _c("oversized-chunked-body", ("completions", "chunked"), 413, None, "request_too_large"),
@@ -263,6 +267,17 @@ def test_bad_neighbour_does_not_fail_a_good_request(base_url: str) -> None:
     with ThreadPoolExecutor(max_workers=8) as pool:
         good = list(pool.map(post, [_json(CHAT), bad] * 4))[::2]
     assert good == [200] * 4, good
+
+
+def test_a_negative_priority_is_served_at_the_keys_floor(base_url: str) -> None:
+    """No key here may go below 0: a client asking for -1 or -2**31 is served, not refused, at
+    priority 0 (the router raises it; tests/unit/test_tenancy.py checks the value)."""
+    for priority in (-1, -(2**31)):
+        for route, body in (("chat/completions", CHAT), ("completions", COMPLETION)):
+            response = httpx.post(
+                f"{base_url}/v1/{route}", json={**body, "priority": priority}, timeout=120
+            )
+            assert response.status_code == 200, response.text
 
 
 def test_allowed_template_kwarg_is_served(base_url: str) -> None:

@@ -52,6 +52,7 @@ def secure_url(base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
                 "tokens": {"tokens_per_minute": 100},
             },
             "limits": {"max_n": 2, "max_tokens_cap": 64},
+            "key_priorities": {"admin": -10},
         },
     }
     try:
@@ -179,3 +180,25 @@ def test_request_limits_apply_through_the_router(secure_url: str) -> None:
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=65)
     assert (error.value.param, error.value.code) == ("max_tokens", "integer_above_max_value")
+
+
+def test_priority_floor_per_key(secure_url: str) -> None:
+    """A key listed in security.key_priorities may run below 0, down to its floor; a lower ask
+    is raised to the floor and served (keys without a floor: test_hostile_input)."""
+    admin = _client(secure_url, ADMIN)
+    for priority in (-11, -10, 0, 100):
+        chat = admin.chat.completions.create(
+            model=MODEL, messages=USER, max_tokens=2, extra_body={"priority": priority}
+        )
+        assert chat.choices[0].finish_reason in ("length", "stop")
+
+
+def test_every_prompt_is_charged_its_budget(secure_url: str) -> None:
+    """4 prompts × max_tokens 30 need 124 tokens, more than the key's 100 per minute: refused
+    outright (before, the budget was charged once: 34 tokens)."""
+    client = _client(secure_url, TOKENS)
+    with pytest.raises(openai.RateLimitError) as error:
+        client.completions.create(model=MODEL, prompt=["a", "b", "c", "d"], max_tokens=30)
+    assert error.value.body["type"] == "tokens"  # type: ignore[index]
+    assert "it needs 124 tokens" in error.value.message
+    assert "retry-after" not in error.value.response.headers

@@ -34,7 +34,6 @@ from serve_app.ingress.ratelimit import (
     LocalRateLimiter,
     RayRateLimiter,
     SlidingWindowLimiter,
-    estimate_tokens,
 )
 from serve_app.openai.limits import check_limits
 from serve_app.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -100,6 +99,14 @@ def test_missing_file_fails_and_loose_permissions_warn(
     assert "chmod 600" in caplog.text and KEY_A not in caplog.text
 
 
+def test_limits_and_priorities_for_unknown_keys_warn(caplog: pytest.LogCaptureFixture) -> None:
+    config = SecurityConfig(key_priorities={"ghost": -5}, key_rate_limits={"alice": {}})
+    with caplog.at_level(logging.WARNING, "serve_app.security"):
+        load_keys(config, ENV)
+    assert "security.key_priorities names unknown key 'ghost'" in caplog.text
+    assert "key_rate_limits" not in caplog.text
+
+
 def test_config_is_bounded_and_strict() -> None:
     with pytest.raises(ValidationError):
         SecurityConfig(api_keys_file=Path("relative/keys"))
@@ -109,6 +116,12 @@ def test_config_is_bounded_and_strict() -> None:
         SecurityConfig.model_validate({"api_key": "inline keys are not a thing"})
     with pytest.raises(ValidationError):
         SecurityConfig.model_validate({"key_rate_limits": {"bad name": {}}})
+    for priorities in ({"bad name": -1}, {"ops": 2**31}, {"ops": -(2**31) - 1}, {"ops": "low"}):
+        with pytest.raises(ValidationError):
+            SecurityConfig.model_validate({"key_priorities": priorities})
+    floors = SecurityConfig(key_priorities={"ops": -10, "nightly": 100})
+    assert (floors.min_priority("ops"), floors.min_priority("nightly")) == (-10, 100)
+    assert floors.min_priority("alice") == floors.min_priority(None) == 0
     config = AppConfig.model_validate({"security": {"requests_per_minute": 5}}).security
     assert config.rate_limited and config.rate_limit_for("x").requests_per_minute == 5
     assert not SecurityConfig().rate_limited
@@ -159,6 +172,7 @@ def _client(config: SecurityConfig, environ: dict[str, str] | None = None) -> ht
         Route("/openapi.json", _ok),
         Route("/v1/models", _ok),
         Route("/v1/chat/completions", _echo, methods=["POST"]),
+        Route("/v1/completions", _echo, methods=["POST"]),
         Route("/v1/stream", _stream, methods=["POST"]),
         Route("/tokenize", _echo, methods=["POST"]),
     ]
@@ -281,6 +295,43 @@ async def test_token_budget_is_charged_up_front() -> None:
         assert "retry-after" not in huge.headers and "lower max_tokens" in huge.text
 
 
+async def test_every_prompt_pays_its_own_completion_budget() -> None:
+    # 4 prompts × max_tokens 30 = 120 (+ 4 prompt tokens) > 100: too large for any minute.
+    # (The old estimate charged the budget once: 4 + 30 = 34, and let it through.)
+    config = SecurityConfig(tokens_per_minute=100)
+    body = {"prompt": ["a", "b", "c", "d"], "max_tokens": 30}
+    async with _client(config) as client:
+        response = await client.post("/v1/completions", headers=_auth(KEY_A), json=body)
+        _assert_error(response, 429, "rate_limit_exceeded", "tokens")
+        assert "it needs 124 tokens" in response.text and "retry-after" not in response.headers
+        one = await client.post(
+            "/v1/completions", headers=_auth(KEY_A), json={**body, "n": 1, "prompt": "a"}
+        )
+        assert one.status_code == 200  # 1 + 30.
+
+
+async def test_tools_are_charged() -> None:
+    # 2 prompt tokens + 1 completion token + tools (400 characters of JSON or more: >= 100).
+    tools = [{"type": "function", "function": {"name": "f", "description": "x" * 400}}]
+    body = {"messages": [{"role": "user", "content": "abcdefgh"}], "max_tokens": 1}
+    async with _client(SecurityConfig(tokens_per_minute=100)) as client:
+        assert (
+            await client.post("/v1/chat/completions", headers=_auth(KEY_A), json=body)
+        ).status_code == 200
+        with_tools = await client.post(
+            "/v1/chat/completions", headers=_auth(KEY_B), json={**body, "tools": tools}
+        )
+        _assert_error(with_tools, 429, "rate_limit_exceeded", "tokens")
+
+
+async def test_deeply_nested_body_is_not_a_crash_under_a_token_budget() -> None:
+    # json.loads raises RecursionError (not ValueError) here: the charge is 0, the route decides.
+    deep = b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    async with _client(SecurityConfig(tokens_per_minute=100)) as client:
+        response = await client.post("/v1/chat/completions", headers=_auth(KEY_A), content=deep)
+        assert response.status_code == 200 and response.json()["bytes"] == len(deep)
+
+
 async def test_limiter_outage_fails_closed() -> None:
     class Down:
         async def acquire(self, key: str, tokens: int, limit: KeyRateLimit) -> Decision:
@@ -377,17 +428,6 @@ def _set(limiter: RayRateLimiter, handle: Any) -> Any:
 def _done(value: Any) -> Any:
     return value
     yield  # A generator that returns at once: awaitable without an event-loop round trip.
-
-
-def test_estimate_tokens() -> None:
-    chat = b'{"messages": [{"role": "user", "content": "abcdefgh"}], "max_tokens": 5, "n": 3}'
-    assert estimate_tokens("/v1/chat/completions", chat, 1024) == 2 + 15
-    parts = b'{"messages": [{"content": [{"type": "text", "text": "abcd"}]}]}'
-    assert estimate_tokens("/v1/chat/completions", parts, 1024) == 1 + 1024
-    assert estimate_tokens("/v1/completions", b'{"prompt": [[1, 2, 3], [4]]}', 1024) == 4 + 16
-    assert estimate_tokens("/v1/completions", b"{not json", 1024) == 0
-    assert estimate_tokens("/v1/completions", b'{"prompt": "x", "n": -4}', 1024) == 1 + 16
-    assert estimate_tokens("/v1/models", b"", 1024) == 0
 
 
 # --- request shape limits --------------------------------------------------------------------

@@ -69,7 +69,11 @@ class SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     priority: int = Field(
-        0, ge=-(2**31), lt=2**31, description="vLLM priority: lower values are scheduled first."
+        0,
+        ge=-(2**31),
+        lt=2**31,
+        description="vLLM priority: lower values are scheduled first. A value below the API "
+        "key's floor (0 unless the server's security.key_priorities says) is raised to it.",
     )
 
     @field_validator("logit_bias")
