@@ -178,6 +178,16 @@ def test_a_hot_prompt_spills_over_to_the_other_replica(routing_url: str) -> None
     assert spilled >= 1
 
 
+def test_a_completion_with_several_prompts_is_routed_whole(routing_client: OpenAI) -> None:
+    """Its engine calls share the HTTP request's internal id in Serve's router: each must still
+    get a replica (they used to wait out engine_wait_timeout_s and fail with a 503)."""
+    prompts = [f"{system_prompt(k)} Question: where is parcel {k}?" for k in range(5, 9)]
+    completion = routing_client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=2, temperature=0
+    )
+    assert sorted(choice.index for choice in completion.choices) == [0, 1, 2, 3]
+
+
 def test_scaling_down_mid_run_costs_no_request(routing_url: str) -> None:
     """Engines 2 -> 1 by redeploying the config while 4 clients keep sending: the leaving
     replica drains, its prompts re-route to the other one and are cached there again."""

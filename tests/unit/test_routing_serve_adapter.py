@@ -202,3 +202,23 @@ def test_a_burst_routed_at_once_sees_its_own_picks() -> None:
     for replica in chosen:  # Serve sends them: its cache counts them, our picks go.
         rr.on_send_request(replica.replica_id)
     assert not rr._picked()
+
+
+def test_calls_sharing_an_internal_request_id_are_all_routed() -> None:
+    """A handle call inherits its internal_request_id from the HTTP request that made it, so the
+    engine calls of one multi-prompt completion share one. Serve's own routing loop (driven
+    here) hands each chosen replica to the pending request with that id: without our match on
+    the call itself, all but one call never got a replica (a 503 after engine_wait_timeout_s)."""
+
+    async def route_siblings() -> list[Any]:
+        rr, _ = await started_router()
+        siblings = []
+        for prompt in range(4):
+            meta = RequestMetadata(request_id="http-1", internal_request_id="http-1")
+            request = engine_request(hashes(prompt, shared=prompt))
+            siblings.append(PendingRequest(args=[request], kwargs={}, metadata=meta))
+        calls = [rr._choose_replica_for_request(pr) for pr in siblings]
+        return list(await asyncio.wait_for(asyncio.gather(*calls), timeout=10))
+
+    chosen = asyncio.run(route_siblings())
+    assert len(chosen) == 4 and all(replica is not None for replica in chosen)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray.serve.request_router import (
     PendingRequest,
@@ -22,6 +22,9 @@ from ray.serve.request_router import (
 from serve_app.config.routing import RoutingConfig
 from serve_app.engine.routing.policy import KV_CACHE_TOKENS, RoutingPolicy
 from serve_app.observability.metrics import RoutingMetrics
+
+if TYPE_CHECKING:
+    from ray.serve._private.common import RequestMetadata
 
 
 def request_keys(pending: PendingRequest | None) -> tuple[Sequence[int], str | None]:
@@ -135,6 +138,27 @@ class PrefixAwareRequestRouter(RequestRouter):
         # two least loaded others, as Serve's power of two choices would pick.
         rest = sorted((r for r in open_ if r is not chosen), key=lambda r: lens[r.replica_id])
         return [[chosen], rest[:2]] if rest else [[chosen]]
+
+    def _fulfill_next_pending_request(
+        self, replica: RunningReplica, request_metadata: RequestMetadata | None = None
+    ) -> None:
+        # Serve hands the chosen replica to the pending request with the same
+        # internal_request_id, which a handle call inherits from the HTTP request that made it:
+        # the engine calls of one multi-prompt completion share one, so all but the first
+        # were never handed a replica (they waited out engine_wait_timeout_s). Each call's
+        # own metadata object is unique: match on it first.
+        for pending in self._pending_requests_to_fulfill:
+            if pending.metadata is request_metadata and not pending.future.done():
+                self._cancel_routing_task_for_pending_request(pending)
+                self._record_queue_wait_time(pending)
+                pending.future.set_result(replica)
+                if (
+                    self._pending_requests_by_id.get(pending.metadata.internal_request_id)
+                    is pending
+                ):
+                    self._remove_pending_request_from_indices(pending)  # Not a sibling's entry.
+                return
+        super()._fulfill_next_pending_request(replica, request_metadata)
 
     def _picked(self) -> Counter[ReplicaID]:
         """Recent picks per replica that Serve's cache does not count yet."""
