@@ -57,8 +57,19 @@ async def _plain(http: httpx.AsyncClient, url: str, i: int) -> Any:
     return data["choices"][0]["finish_reason"], data["usage"]["completion_tokens"], True
 
 
-def test_delete_drains_in_flight_requests(base_url: str) -> None:
+def _delete(app: str, timeout_s: float) -> None:
+    """serve.delete, waiting up to timeout_s: its own wait gives up after 60 s, and on a busy
+    2-core machine the engine replica's shutdown (after the drain) has come close to that."""
     from ray import serve
+
+    serve.delete(app, _blocking=False)
+    deadline = time.monotonic() + timeout_s
+    while app in serve.status().applications:
+        assert time.monotonic() < deadline, f"{app} still exists {timeout_s:.0f} s after delete"
+        time.sleep(1)
+
+
+def test_delete_drains_in_flight_requests(base_url: str) -> None:
 
     url = _deploy(base_url, "drain", DRAIN)
     deleted = threading.Event()
@@ -71,10 +82,10 @@ def test_delete_drains_in_flight_requests(base_url: str) -> None:
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 120)
             # Every stream is mid-generation: shut the app down under them.
             begun = time.monotonic()
-            deleter = threading.Thread(target=lambda: (serve.delete("drain"), deleted.set()))
+            deleter = threading.Thread(target=lambda: (_delete("drain", 180), deleted.set()))
             deleter.start()
             results = await asyncio.gather(*tasks)
-            await asyncio.to_thread(deleter.join, 180)
+            await asyncio.to_thread(deleter.join, 240)
             return results, time.monotonic() - begun
 
     results, drained_s = asyncio.run(run())
