@@ -301,3 +301,42 @@ def test_logprobs_with_constrained_output_are_valid_json(
     path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
     response = httpx.post(f"{base_url}{path}", json=body, timeout=120)
     assert response.status_code == 200, response.text
+
+
+MiB = 1024 * 1024
+
+
+def router_rss() -> int:
+    """Resident memory of the shared app's Router replica (its pid from Ray's state API)."""
+    import psutil
+    import ray
+    from ray.util.state import list_actors
+
+    actors = list_actors(
+        address=ray.get_runtime_context().gcs_address,  # This session's cluster, not another.
+        filters=[("class_name", "=", "ServeReplica:llm:Router"), ("state", "=", "ALIVE")],
+    )
+    assert len(actors) == 1, actors
+    return int(psutil.Process(actors[0].pid).memory_info().rss)
+
+
+def _unknown_fields(round_: int, count: int) -> dict[str, int]:
+    return {f"x{round_}_{i}": i for i in range(count)}
+
+
+def test_100k_unknown_fields_are_served_and_memory_stays_flat(base_url: str) -> None:
+    """Each body names 100k new fields (~1.6 MiB): all ignored, none kept. Before, every
+    distinct name was remembered (and logged) for good."""
+    url = f"{base_url}/v1/chat/completions"
+    for warm in range(2):  # Allocator and code paths warm up.
+        body = {**CHAT, **_unknown_fields(warm, 100_000)}
+        assert httpx.post(url, json=body, timeout=300).status_code == 200
+    before = router_rss()
+    for round_ in range(2, 14):
+        body = {**CHAT, **_unknown_fields(round_, 100_000)}
+        response = httpx.post(url, json=body, timeout=300)
+        assert response.status_code == 200, response.text[:300]
+    nested = {**CHAT, "messages": [{**USER[0], **_unknown_fields(99, 20_000)}]}
+    assert httpx.post(url, json=nested, timeout=300).status_code == 200
+    # 1.2M distinct names went through; kept, they would be well over 100 MiB.
+    assert router_rss() - before < 40 * MiB

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -9,6 +10,7 @@ from pydantic import ValidationError
 
 from serve_app.errors import APIError
 from serve_app.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerationDefaults
+from serve_app.openai.protocol.common import UnknownFieldLog
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -104,6 +106,24 @@ def test_unknown_fields_are_accepted_and_logged(caplog: pytest.LogCaptureFixture
     request = ChatCompletionRequest.model_validate({**CHAT, "brand_new_field": 1})
     assert request.model_extra == {"brand_new_field": 1}
     assert "brand_new_field" in caplog.text
+
+
+def test_unknown_field_names_are_logged_in_bounded_memory(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    log = UnknownFieldLog(max_names=100, names_per_request=3)
+    with caplog.at_level(logging.WARNING, logger="serve_app.protocol"):
+        for round_ in range(20):
+            log.record("ChatCompletionRequest", [f"f{round_}_{i}" for i in range(10_000)])
+    assert len(log.names) == 100  # Not 200,000.
+    assert log.unnamed == 200_000 - 100
+    assert len(caplog.records) == 1  # Names until the cap, then a single note; no flood.
+    assert "'f0_0', 'f0_1', 'f0_2' and 9997 more" in caplog.text
+    assert "later ones are only counted" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="serve_app.protocol"):
+        log.record("ChatCompletionRequest", ["f0_0"])  # Known: not logged again.
+    assert not caplog.records
 
 
 def test_content_parts_flatten_for_the_template() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -15,7 +16,46 @@ from serve_app.hops import SamplingSpec
 GREEDY_TEMPERATURE = 1e-5
 
 logger = logging.getLogger("serve_app.protocol")
-_warned_fields: set[str] = set()
+
+
+class UnknownFieldLog:
+    """Logs unknown field names once each, in bounded memory: clients choose the names (a 2 MiB
+    body carries ~100k of them), so past ``max_names`` distinct names only a count is kept."""
+
+    def __init__(self, max_names: int = 256, names_per_request: int = 5) -> None:
+        self.max_names, self.names_per_request = max_names, names_per_request
+        self.names: set[str] = set()
+        self.unnamed = 0  # Unknown fields seen after the name set filled up.
+        self._lock = threading.Lock()  # Requests are validated on several threads.
+
+    def record(self, where: str, fields: list[str]) -> None:
+        with self._lock:
+            new = [name for name in fields if f"{where}.{name}" not in self.names]
+            if not new:
+                return
+            named = new[: max(0, self.max_names - len(self.names))]
+            self.names.update(f"{where}.{name}" for name in named)
+            first_overflow = self.unnamed == 0 and len(new) > len(named)
+            self.unnamed += len(new) - len(named)
+        if not (named or first_overflow):
+            return
+        shown = ", ".join(repr(name[:64]) for name in new[: self.names_per_request])
+        more = len(new) - self.names_per_request
+        note = (
+            f"; {self.max_names} distinct names logged, later ones are only counted"
+            if first_overflow
+            else ""
+        )
+        logger.warning(
+            "Ignoring unknown fields in %s: %s%s%s",
+            where,
+            shown,
+            f" and {more} more" if more > 0 else "",
+            note,
+        )
+
+
+unknown_fields = UnknownFieldLog()
 
 
 class OpenAIModel(BaseModel):
@@ -28,11 +68,8 @@ class OpenAIModel(BaseModel):
 
     @model_validator(mode="after")
     def _log_unknown_fields(self) -> OpenAIModel:
-        for name in self.model_extra or {}:
-            key = f"{type(self).__name__}.{name}"
-            if key not in _warned_fields:
-                _warned_fields.add(key)
-                logger.warning("Ignoring unknown field %r in %s", name, type(self).__name__)
+        if self.model_extra:
+            unknown_fields.record(type(self).__name__, list(self.model_extra))
         return self
 
 
