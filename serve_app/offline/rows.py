@@ -204,7 +204,8 @@ def build_request(job: JobConfig, row: dict[str, Any], request_id: str) -> Prepr
         **row_params(job, row),
     }
     try:
-        request = ChatCompletionRequest.model_validate(body)
+        # Lax types here: columns arrive as numpy scalars (np.int64 max_tokens), not JSON.
+        request = ChatCompletionRequest.model_validate(body, strict=False)
         sampling: SamplingSpec = request.to_sampling_spec(config.model.generation_defaults)
     except ValidationError as exc:
         first = exc.errors()[0]

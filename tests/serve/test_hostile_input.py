@@ -146,6 +146,26 @@ CASES: list[Any] = [
     _c("template-kwargs-list", ch(chat_template_kwargs=["enable_thinking"]), 400,
        "chat_template_kwargs", IV),
     _c("request-chat-template", ch(chat_template=BOMB), 400, "chat_template", IV),
+    # Strict JSON types: no string (or number) to bool, no string to number, as OpenAI.
+    _c("string-bool-stream", ch(stream="yes"), 400, "stream", IV),
+    _c("string-bool-echo", co(echo="true"), 400, "echo", IV),
+    _c("int-bool-logprobs", ch(logprobs=1), 400, "logprobs", IV),
+    _c("string-bool-ignore-eos", co(ignore_eos="false"), 400, "ignore_eos", IV),
+    _c("string-bool-add-generation-prompt", ch(add_generation_prompt="no"), 400,
+       "add_generation_prompt", IV),
+    _c("string-bool-nested", ch(stream=True, stream_options={"include_usage": "yes"}), 400,
+       "stream_options.include_usage", IV),
+    _c("string-bool-tool-strict",
+       ch(tools=[{"type": "function", "function": {"name": "f", "strict": "yes"}}]), 400,
+       "tools[0].function.strict", IV),
+    _c("string-number-n", co(n="2"), 400, "n", IV),
+    _c("float-number-n", ch(n=2.0), 400, "n", IV),
+    _c("string-number-temperature", ch(temperature="0.5"), 400, "temperature", IV),
+    _c("bool-number-top-p", ch(top_p=True), 400, "top_p", IV),
+    _c("string-number-max-tokens", co(max_tokens="5"), 400, "max_tokens", IV),
+    _c("string-number-seed", co(seed="1"), 400, "seed", IV),
+    _c("string-number-priority", ch(priority="-100"), 400, "priority", IV),
+    _c("string-number-logit-bias", co(logit_bias={"1": "5"}), 400, "logit_bias", IV),
     # Prompts.
     _c("long-chat-prompt", msg(role="user", content=LONG), 400, "messages", CL),
     _c("long-completion-prompt", co(prompt=LONG), 400, "prompt", CL),
@@ -278,6 +298,37 @@ def test_a_negative_priority_is_served_at_the_keys_floor(base_url: str) -> None:
                 f"{base_url}/v1/{route}", json={**body, "priority": priority}, timeout=120
             )
             assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("chat", {**CHAT, "temperature": 0, "top_p": 1, "presence_penalty": 0}),
+        ("completions", {**COMP, "logit_bias": {"100": 1}, "temperature": 1}),
+    ],
+    ids=["ints-as-floats-chat", "ints-as-floats-completion"],
+)
+def test_strict_types_still_take_an_int_where_a_number_belongs(
+    base_url: str, route: str, body: dict[str, Any]
+) -> None:
+    """JSON has one number type: `"temperature": 0` is a float to OpenAI, and to us."""
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    response = httpx.post(f"{base_url}{path}", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": MODEL, "prompt": "hi", "add_special_tokens": "yes"}, "add_special_tokens"),
+        ({"model": MODEL, "messages": USER, "add_generation_prompt": 1}, "add_generation_prompt"),
+    ],
+    ids=["tokenize-string-bool", "tokenize-int-bool"],
+)
+def test_tokenize_types_are_strict_too(base_url: str, body: dict[str, Any], param: str) -> None:
+    response = httpx.post(f"{base_url}/tokenize", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
 
 
 def test_allowed_template_kwarg_is_served(base_url: str) -> None:

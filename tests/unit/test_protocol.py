@@ -174,3 +174,40 @@ def test_completion_defaults_to_16_tokens_like_openai() -> None:
 def test_completion_rejects_bad_values(patch: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         CompletionRequest.model_validate({"model": "m", "prompt": "x", **patch})
+
+
+@pytest.mark.parametrize(
+    ("patch", "param"),
+    [
+        ({"stream": "yes"}, "stream"),
+        ({"stream": 1}, "stream"),
+        ({"logprobs": "true"}, "logprobs"),
+        ({"n": "2"}, "n"),
+        ({"n": 2.0}, "n"),
+        ({"n": True}, "n"),
+        ({"max_tokens": "10"}, "max_tokens"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"temperature": False}, "temperature"),
+        ({"seed": "42"}, "seed"),
+        ({"priority": "5"}, "priority"),
+        ({"logit_bias": {"1": "5"}}, "logit_bias.1"),
+        ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"strict": "yes"}}},
+         "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "strict": 1}}]}, "tools"),
+    ],
+)  # fmt: skip
+def test_types_are_strict_like_openai(patch: dict[str, object], param: str) -> None:
+    with pytest.raises(ValidationError) as error:
+        ChatCompletionRequest.model_validate({**CHAT, **patch})
+    locations = [".".join(str(part) for part in e["loc"]) for e in error.value.errors()]
+    assert any(location.startswith(param) for location in locations), locations
+
+
+def test_ints_are_still_valid_floats() -> None:
+    request = ChatCompletionRequest.model_validate(
+        {**CHAT, "temperature": 1, "top_p": 1, "presence_penalty": -2, "logit_bias": {"5": 10}}
+    )
+    spec = request.to_sampling_spec(GenerationDefaults())
+    assert (spec.temperature, spec.top_p, spec.presence_penalty) == (1.0, 1.0, -2.0)
+    assert spec.logit_bias == {5: 10.0}

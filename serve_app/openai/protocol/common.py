@@ -64,7 +64,7 @@ class OpenAIModel(BaseModel):
     Clients written for newer OpenAI or vLLM versions keep working; the log says what we ignored.
     """
 
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="after")
     def _log_unknown_fields(self) -> OpenAIModel:
