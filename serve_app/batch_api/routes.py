@@ -10,12 +10,14 @@ Wiring: ``app.include_router(batch_api.router)`` before ``@serve.ingress`` and
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, File, Form, Query, UploadFile
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from serve_app.batch_api.service import ENDPOINTS, BatchService, parse_input
@@ -93,11 +95,33 @@ async def retrieve_file(file_id: str) -> JSONResponse:
     return JSONResponse(_file(file_id))
 
 
+DOWNLOAD_CHUNK = 256 * 1024
+
+
 @router.get("/v1/files/{file_id}/content")
 async def file_content(file_id: str) -> Response:
+    """Streamed from disk in 256 KiB chunks: a download never holds a whole file in memory.
+
+    The file is opened before the response starts, so a delete meanwhile (the open handle
+    outlives the name) cannot cut it short or turn it into a 500.
+    """
     _file(file_id)
-    content = await asyncio.to_thread(service().store.file_content, file_id)
-    return Response(content, media_type="application/octet-stream")
+    try:
+        handle = await asyncio.to_thread(service().store.file_path(file_id).open, "rb")
+    except FileNotFoundError:
+        raise not_found("file", file_id) from None
+    size = os.fstat(handle.fileno()).st_size
+
+    async def chunks() -> AsyncIterator[bytes]:
+        try:
+            while chunk := await asyncio.to_thread(handle.read, DOWNLOAD_CHUNK):
+                yield chunk
+        finally:
+            handle.close()
+
+    return StreamingResponse(
+        chunks(), media_type="application/octet-stream", headers={"content-length": str(size)}
+    )
 
 
 @router.delete("/v1/files/{file_id}")

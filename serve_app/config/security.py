@@ -60,6 +60,13 @@ class RequestLimits(StrictModel):
         1024, ge=1, le=100_000, description="Most chat messages in one request."
     )
     max_tools: int = Field(128, ge=0, le=10_000, description="Most tool definitions per request.")
+    max_prompts: int = Field(
+        1024,
+        ge=1,
+        le=100_000,
+        description="Most prompts in one completions request (each is its own engine request; "
+        "a 2 MiB body could otherwise carry half a million).",
+    )
     max_prompt_chars: int | None = Field(
         None,
         ge=1,

@@ -45,6 +45,9 @@ def check_limits(body: ChatCompletionRequest | CompletionRequest, limits: Reques
             raise _above("tools", len(tools), limits.max_tools, "array")
         param, chars = "messages", sum(_text_len(m.content) for m in body.messages)
     else:
+        prompts = len(body.prompt_list())
+        if prompts > limits.max_prompts:
+            raise _above("prompt", prompts, limits.max_prompts, "array")
         param, chars = "prompt", _text_len(body.prompt)
     if limits.max_prompt_chars is not None and chars > limits.max_prompt_chars:
         raise _above(param, chars, limits.max_prompt_chars, "string")

@@ -25,6 +25,7 @@ from serve_app.openai.protocol import ModelCard, ModelList, PromptTokensDetails,
 
 PreprocessFn = Callable[[PreprocessRequest], Awaitable[PreprocessResult]]
 GenerateFn = Callable[[EngineRequest], AsyncIterator["EngineStep | ErrorInfo"]]
+MERGE_QUEUE_PER_PROMPT = 2  # Steps a multi-prompt stream buffers per prompt.
 
 
 @dataclass
@@ -159,8 +160,10 @@ class OpenAIServing:
             yield index, step
 
     async def _merged(self, requests: list[EngineRequest]) -> AsyncIterator[tuple[int, EngineStep]]:
+        # Bounded: a client that reads slowly holds back the pumps (and through them the
+        # engine streams), instead of the router buffering every step of every prompt.
         queue: asyncio.Queue[tuple[int, EngineStep | ErrorInfo | BaseException | None]] = (
-            asyncio.Queue()
+            asyncio.Queue(maxsize=MERGE_QUEUE_PER_PROMPT * len(requests))
         )
 
         async def pump(index: int, request: EngineRequest) -> None:

@@ -171,6 +171,7 @@ CASES: list[Any] = [
     _c("long-completion-prompt", co(prompt=LONG), 400, "prompt", CL),
     _c("empty-prompt", co(prompt=""), 400, "prompt", None),
     _c("empty-prompt-list", co(prompt=[]), 400, "prompt", IV),
+    _c("too-many-prompts", co(prompt=["a"] * 1025), 400, "prompt", "array_above_max_length"),
     _c("nested-empty-prompt", co(prompt=[[]]), 400, "prompt", IV),
     _c("negative-token-id", co(prompt=[-1]), 400, "prompt", IV),
     _c("token-id-beyond-vocab", co(prompt=[1, 10**9]), 400, "prompt", None),
@@ -371,6 +372,11 @@ def router_rss() -> int:
     return int(psutil.Process(actors[0].pid).memory_info().rss)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def rss_at_start(base_url: str) -> int:
+    return router_rss()
+
+
 def _unknown_fields(round_: int, count: int) -> dict[str, int]:
     return {f"x{round_}_{i}": i for i in range(count)}
 
@@ -391,3 +397,83 @@ def test_100k_unknown_fields_are_served_and_memory_stays_flat(base_url: str) -> 
     assert httpx.post(url, json=nested, timeout=300).status_code == 200
     # 1.2M distinct names went through; kept, they would be well over 100 MiB.
     assert router_rss() - before < 40 * MiB
+
+
+def test_giant_multi_prompt_request_is_served_in_full(base_url: str) -> None:
+    """512 prompts in one request (the limit is 1,024): 512 engine requests, every one answered."""
+    prompts = [f"Item {i}:" for i in range(512)]
+    body = {**COMP, "prompt": prompts, "max_tokens": 1}
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=600)
+    assert response.status_code == 200, response.text[:300]
+    result = response.json()
+    assert sorted(c["index"] for c in result["choices"]) == list(range(512))
+    assert result["usage"]["completion_tokens"] == 512
+
+
+def test_slow_reading_stream_clients_are_served_to_the_end(base_url: str) -> None:
+    """Four streams of 32 prompts each, read a line at a time with a pause between lines: every
+    prompt runs to its 48th token, and another client is served meanwhile (the merge queue holds
+    the engine streams back, it does not buffer them)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {
+        **COMP,
+        "prompt": [f"Count to {i}:" for i in range(32)],
+        "max_tokens": 48,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+    def slow_reader(_: int) -> tuple[set[int], int, bool]:
+        finished: set[int] = set()
+        usage, done = 0, False
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=600) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                time.sleep(0.002)
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    assert "error" not in event, event
+                    finished |= {c["index"] for c in event["choices"] if c["finish_reason"]}
+                    usage = (event.get("usage") or {}).get("completion_tokens", usage)
+        return finished, usage, done
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        readers = [pool.submit(slow_reader, i) for i in range(4)]
+        response = httpx.post(f"{base_url}/v1/chat/completions", json=CHAT, timeout=600)
+        assert response.status_code == 200, response.text
+        results = [reader.result() for reader in readers]
+    assert all(finished == set(range(32)) for finished, _, _ in results), results
+    assert all(usage == 32 * 48 and done for _, usage, done in results), results
+
+
+def test_file_download_is_streamed_from_disk(base_url: str) -> None:
+    line = json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": COMP})
+    content = ("\n".join([line] * 12_000) + "\n").encode()  # ~1.5 MiB.
+    upload = httpx.post(
+        f"{base_url}/v1/files",
+        files={"file": ("big.jsonl", content)},
+        data={"purpose": "batch"},
+        timeout=120,
+    )
+    assert upload.status_code == 200, upload.text
+    file_id = upload.json()["id"]
+    url = f"{base_url}/v1/files/{file_id}/content"
+    with httpx.stream("GET", url, timeout=120) as response:
+        assert response.status_code == 200
+        assert response.headers["content-length"] == str(len(content))
+        assert b"".join(response.iter_bytes()) == content
+    assert httpx.delete(f"{base_url}/v1/files/{file_id}", timeout=60).status_code == 200
+    gone = httpx.get(url, timeout=60)
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "not_found"
+
+
+def test_router_memory_is_flat_after_every_hostile_case(base_url: str, rss_at_start: int) -> None:
+    """Everything above (100k-field bodies, 512 prompts, slow streams, a download) leaves the
+    router's resident memory where it started, give or take its allocator."""
+    assert httpx.post(f"{base_url}/v1/chat/completions", json=CHAT, timeout=120).status_code == 200
+    assert router_rss() - rss_at_start < 64 * MiB

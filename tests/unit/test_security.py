@@ -433,7 +433,7 @@ def _done(value: Any) -> Any:
 # --- request shape limits --------------------------------------------------------------------
 
 LIMITS = RequestLimits(
-    max_tokens_cap=100, max_n=2, max_messages=3, max_tools=1, max_prompt_chars=50
+    max_tokens_cap=100, max_n=2, max_messages=3, max_tools=1, max_prompt_chars=50, max_prompts=8
 )
 USER = {"role": "user", "content": "hi"}
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -468,6 +468,9 @@ COMPLETION: dict[str, Any] = {"model": "m", "prompt": "hi"}
         ({**COMPLETION, "prompt": "x" * 51}, "prompt", "string_above_max_length"),
         ({**COMPLETION, "prompt": ["x" * 30, "y" * 30]}, "prompt", "string_above_max_length"),
         ({**COMPLETION, "prompt": list(range(51))}, "prompt", "string_above_max_length"),
+        ({**COMPLETION, "prompt": ["x"] * 9}, "prompt", "array_above_max_length"),
+        ({**COMPLETION, "prompt": [[1]] * 9}, "prompt", "array_above_max_length"),
+        ({**COMPLETION, "prompt": ["x"] * 8}, None, None),
         ({**CHAT, "n": 2, "max_tokens": 100, "messages": [USER] * 3, "tools": [TOOL]}, None, None),
         ({**COMPLETION, "prompt": "x" * 50, "max_tokens": 100}, None, None),
         ({**CHAT, "max_tokens": None}, None, None),  # Unset: the context window bounds it.

@@ -205,3 +205,36 @@ async def test_completions_full_and_streamed_are_strict_openai_completions() -> 
     assert isinstance(stream, AsyncIterator)
     for event in (await _events(stream))[:-1]:
         check_body("/v1/completions", event[len("data: ") :].strip(), streamed=True)
+
+
+async def test_a_slow_reader_holds_the_engine_streams_back_instead_of_buffering() -> None:
+    """Multi-prompt streams merge through a bounded queue: 4 prompts of 1,000 steps each, a
+    reader that has taken 3 steps, and the pumps have pulled only a few steps ahead."""
+    import asyncio
+
+    from serve_app.openai.serving import MERGE_QUEUE_PER_PROMPT
+
+    pulled = 0
+
+    async def endless(request: EngineRequest) -> AsyncIterator[EngineStep | ErrorInfo]:
+        nonlocal pulled
+        for position in range(1000):
+            pulled += 1
+            last = position == 999
+            chunk = EngineChunk(0, "x", [position], "length" if last else None)
+            yield EngineStep([chunk], prompt_tokens=1, finished=last)
+
+    request = CompletionRequest.model_validate(
+        {"model": "smollm2-135m-instruct", "prompt": ["a", "b", "c", "d"], "stream": True}
+    )
+    service = serving(generate=endless)
+    preprocess = completions.to_preprocess_request(request, service, "cmpl-1", None)
+    prepared = await service.prepare(preprocess, 0, RequestStats("cmpl", "m"))
+    steps = service.steps(prepared)
+    for _ in range(3):
+        await steps.__anext__()
+    for _ in range(50):  # Let every pump run as far as it can.
+        await asyncio.sleep(0)
+    assert pulled <= 3 + MERGE_QUEUE_PER_PROMPT * 4 + 4, pulled
+    rest = [step async for step in steps]
+    assert len(rest) == 4 * 1000 - 3

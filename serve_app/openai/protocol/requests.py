@@ -142,11 +142,13 @@ class ChatCompletionRequest(SamplingFields, StructuredFields):
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+# The protocol's outer bound; security.limits.max_prompts (1,024 by default) is the usual one.
+MAX_PROMPTS = 100_000
 Prompt = (
     str
-    | Annotated[list[str], Field(min_length=1, max_length=1024)]
+    | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
     | TokenIds
-    | Annotated[list[TokenIds], Field(min_length=1, max_length=1024)]
+    | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
 )
 
 
