@@ -37,7 +37,8 @@ def parse_input(content: bytes, endpoint: str) -> list[dict[str, Any]]:
         raise APIError("The input file is not UTF-8 text.", param="input_file_id") from exc
     lines: list[dict[str, Any]] = []
     seen: set[str] = set()
-    for number, raw in enumerate(text.splitlines(), start=1):
+    # JSONL lines end at \n (str.splitlines would also split inside a string holding U+2028).
+    for number, raw in enumerate(text.replace("\r\n", "\n").split("\n"), start=1):
         if not raw.strip():
             continue
         where = f"Line {number} of the input file"

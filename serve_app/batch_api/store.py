@@ -154,7 +154,7 @@ class BatchStore:
         if not path.exists():
             return []
         lines = []
-        for line in path.read_text().splitlines():
+        for line in path.read_text().split("\n"):  # Not splitlines: U+2028 is no line end.
             try:
                 lines.append(json.loads(line))
             except ValueError:

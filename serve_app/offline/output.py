@@ -65,7 +65,8 @@ def read_rows(uri: str) -> list[dict[str, Any]]:
         else:
             with fs.open_input_stream(path) as handle:
                 text = handle.read().decode()
-            rows.extend(json.loads(line) for line in text.splitlines() if line.strip())
+            # JSONL lines end at \n; splitlines would also split at a U+2028 in a text.
+            rows.extend(json.loads(line) for line in text.split("\n") if line.strip())
     return rows
 
 

@@ -124,7 +124,7 @@ def by_custom_id(client: OpenAI, file_id: str | None) -> dict[str, dict[str, Any
     if file_id is None:
         return {}
     text = client.files.content(file_id).text
-    lines = [json.loads(line) for line in text.splitlines()]
+    lines = [json.loads(line) for line in text.split("\n") if line]  # JSONL: \n ends a line.
     assert len({line["custom_id"] for line in lines}) == len(lines)
     return {line["custom_id"]: line for line in lines}
 

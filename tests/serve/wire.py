@@ -92,7 +92,9 @@ class _SSEChecker:
         self.buffer += data
         *events, self.buffer = self.buffer.replace(b"\r\n", b"\n").split(b"\n\n")
         for event in events:
-            for line in event.decode().splitlines():
+            # Only \n ends an SSE line here (str.splitlines would also split at U+2028 and
+            # other separators a generated text may hold).
+            for line in event.decode().split("\n"):
                 if line.startswith("data:") and (payload := line[5:].strip()) != "[DONE]":
                     check_body(self.path, payload, streamed=True)
 

@@ -18,6 +18,11 @@ def test_batch_input_validation_names_the_line() -> None:
 
     good = f"{_line('a')}\n\n{_line('b')}\n".encode()
     assert [line["custom_id"] for line in parse_input(good, "/v1/chat/completions")] == ["a", "b"]
+    # A raw U+2028 inside a string is not a line end (str.splitlines would say it is); CRLF is.
+    odd = json.dumps({"custom_id": "a\u2028b", "method": "POST", "url": "/v1/completions",
+                      "body": {}}, ensure_ascii=False)  # fmt: skip
+    lines = parse_input(f"{odd}\r\n{_line('c', '/v1/completions')}".encode(), "/v1/completions")
+    assert [line["custom_id"] for line in lines] == ["a\u2028b", "c"]
     cases = {
         f"{_line('a')}\n{{oops\n": "Line 2 .* not valid JSON",
         f"{_line('a')}\n{_line('a')}\n": "duplicate custom_id 'a'",

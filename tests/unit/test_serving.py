@@ -238,3 +238,14 @@ async def test_a_slow_reader_holds_the_engine_streams_back_instead_of_buffering(
     assert pulled <= 3 + MERGE_QUEUE_PER_PROMPT * 4 + 4, pulled
     rest = [step async for step in steps]
     assert len(rest) == 4 * 1000 - 3
+
+
+def test_sse_events_stay_one_line_for_every_line_reader() -> None:
+    """A generated text may hold U+2028, U+2029 or U+0085: valid raw inside JSON, but httpx's
+    iter_lines and str.splitlines end a line there. Escaped, the event is one line."""
+    from serve_app.openai.serving import sse
+
+    text = "a\u2028b\u2029c\x85d\x1ce"
+    event = sse(json.dumps({"text": text}, ensure_ascii=False))
+    assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
+    assert json.loads(event[len("data: ") : -2]) == {"text": text}
