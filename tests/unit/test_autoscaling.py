@@ -13,7 +13,12 @@ from ray.serve.exceptions import BackPressureError
 
 from serve_app.app import check_placement
 from serve_app.config import AppConfig, EngineConfig
-from serve_app.config.autoscaling import POLICY_PATH, QUEUE_METRIC, EngineAutoscalingConfig
+from serve_app.config.autoscaling import (
+    POLICY_PATH,
+    QUEUE_METRIC,
+    EngineAutoscalingConfig,
+    autoscaling_config,
+)
 from serve_app.engine.autoscaling import EngineQueuePolicy, desired_replicas
 from serve_app.errors import APIError
 from serve_app.ingress.handles import bounded_stream
@@ -199,3 +204,43 @@ def test_bounded_stream() -> None:
         asyncio.run(_drain(slow, assign_timeout_s=1, timeout_s=0.2))
     assert (error.value.info.status, error.value.info.code) == (504, "timeout")
     assert slow.cancelled
+
+
+def test_serve_keeps_the_configured_delays_for_the_queue_depth_policy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Serve's own wrapper around a custom policy (what its controller calls every tick), driven
+    on a simulated clock with the autoscaling_config we generate: a queue above target scales up
+    only after upscale_delay_s, an empty queue scales down only after downscale_delay_s, and a
+    short dip does not scale down at all."""
+    from ray.serve import autoscaling_policy
+    from ray.serve.config import AutoscalingConfig
+
+    auto = EngineAutoscalingConfig(upscale_delay_s=30, downscale_delay_s=300)
+    generated = autoscaling_config(auto, min_replicas=1, max_replicas=4, target_ongoing=16)
+    config = AutoscalingConfig(**{k: v for k, v in generated.items() if k != "policy"})
+    tick = autoscaling_policy._apply_autoscaling_config(EngineQueuePolicy(target_queue_depth=4))
+    clock = [0.0]
+    monkeypatch.setattr(autoscaling_policy.time, "time", lambda: clock[0])
+    state: dict[str, Any] = {}
+    target = 1
+
+    def run(seconds: int, depth_per_replica: float) -> list[int]:
+        nonlocal state, target
+        targets = []
+        for _ in range(seconds):
+            replicas = [f"r{i}" for i in range(target)]
+            ctx = _ctx({QUEUE_METRIC: dict.fromkeys(replicas, depth_per_replica)}, replicas)
+            ctx.target_num_replicas, ctx.config, ctx.policy_state = target, config, state
+            target, state = tick(ctx)
+            targets.append(target)
+            clock[0] += 1
+        return targets
+
+    climb = run(40, depth_per_replica=16)  # 16 queued on one replica: 4 wanted.
+    assert climb[:29] == [1] * 29 and climb[31:] == [4] * 9, climb
+    dip = run(60, depth_per_replica=0)  # A minute of nothing: no downscale yet.
+    assert dip == [4] * 60
+    run(5, depth_per_replica=4)  # Back at target: the downscale timer starts over.
+    idle = run(310, depth_per_replica=0)
+    assert idle[:299] == [4] * 299 and idle[-1] == 1, idle[295:]
