@@ -106,6 +106,8 @@ class EngineRequest:
     # conversation's session key (x-session-id header or the OpenAI `user` field).
     block_hashes: tuple[int, ...] = ()
     session_key: str | None = None
+    # The API key's name ("" without keys): the engine shares its slots fairly between them.
+    tenant: str = ""
 
     @property
     def prompt(self) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from serve_app.config.app import AppConfig, TracingConfig
 from serve_app.config.autoscaling import EngineAutoscalingConfig
 from serve_app.config.engine import EngineConfig
+from serve_app.config.fair_share import FairShareConfig
 from serve_app.config.model import GenerationDefaults, ModelConfig
 from serve_app.config.replicas import PreprocessorConfig, ReplicaConfig
 from serve_app.config.routing import RoutingConfig
@@ -18,6 +19,7 @@ __all__ = [
     "AppConfig",
     "EngineAutoscalingConfig",
     "EngineConfig",
+    "FairShareConfig",
     "GenerationDefaults",
     "KeyRateLimit",
     "ModelConfig",

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from serve_app.config.autoscaling import EngineAutoscalingConfig, autoscaling_config, replica_env
 from serve_app.config.cores import ThreadsBind
+from serve_app.config.fair_share import FairShareConfig
 from serve_app.config.replicas import ReplicaConfig
 from serve_app.config.routing import RoutingConfig
 
@@ -74,6 +75,10 @@ class EngineConfig(ReplicaConfig):
     )
     health_check_timeout_s: float = Field(
         30, gt=0, description="A health check slower than this fails; the replica is replaced."
+    )
+    fair_share: FairShareConfig = Field(
+        default_factory=FairShareConfig,
+        description="Weighted fair admission between API keys competing for max_num_seqs.",
     )
     routing: RoutingConfig = Field(
         default_factory=RoutingConfig,

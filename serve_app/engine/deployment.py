@@ -95,6 +95,8 @@ def _engine_spans(
             "gen_ai.request.temperature": request.sampling.temperature,
             "gen_ai.usage.input_tokens": len(request.prompt_token_ids),
             "serve_app.engine.request_id": request.request_id,
+            "serve_app.priority": request.priority,
+            "serve_app.tenant": request.tenant,
             "serve_app.ttft_ms": round((first_ns - started_ns) / 1e6, 3) if first_ns else -1,
         }
     )

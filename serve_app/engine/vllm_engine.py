@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from serve_app.config import AppConfig
 from serve_app.engine import cpu_pinning
 from serve_app.engine.background_gate import BackgroundGate
+from serve_app.engine.fair_share import FairQueue, FairShareGate
 from serve_app.engine.watchdog import EngineWatchdog
 from serve_app.errors import APIError
 from serve_app.hops import EngineChunk, EngineRequest, EngineStep, TokenLogprob, TopLogprob
@@ -216,12 +217,33 @@ class VLLMEngine:
         self._background = BackgroundGate(
             max(1, engine.max_num_seqs - engine.interactive_reserved_seqs)
         )
+        fair = engine.fair_share
+        self._fair = (
+            FairShareGate(
+                engine.max_num_seqs,
+                FairQueue(fair.weights, fair.default_weight),
+                ahead=max(1, engine.max_num_seqs // 16),
+            )
+            if fair.enabled
+            else None
+        )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
         self._watchdog.ensure_running()
         async with self._background.slot(request.priority):
-            async for step in self._generate(request):
-                yield step
+            if self._fair is None:
+                async for step in self._generate(request):
+                    yield step
+                return
+            async with self._fair.slot(
+                request.tenant,
+                request.priority,
+                seqs=request.sampling.n,
+                prompt_tokens=len(request.prompt_token_ids),
+            ) as charge:
+                async for step in self._generate(request):
+                    charge(sum(len(chunk.token_ids) for chunk in step.chunks))
+                    yield step
 
     async def _generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
         from vllm.exceptions import VLLMClientError
@@ -255,7 +277,7 @@ class VLLMEngine:
 
     def num_unfinished(self) -> int:
         """Requests the engine still holds (running or waiting)."""
-        held_back = self._background.waiting
+        held_back = self._background.waiting + (self._fair.waiting if self._fair else 0)
         return int(self._llm.output_processor.get_num_unfinished_requests()) + held_back
 
     def kv_cache_tokens(self) -> int:

@@ -171,6 +171,7 @@ class Router:
         """Trace, time and count one generation request; dispatch on the result type."""
         stats = RequestStats(route=route, model=self.serving.model_name)
         stats.session_key = session_key(self.config.engine.routing, request.headers, user)
+        stats.tenant = tenant_of(request)
         span = tracing.tracer().start_span(
             f"POST {route}", context=tracing.extract(request.headers), kind=SpanKind.SERVER
         )

@@ -63,6 +63,7 @@ class RequestStats:
     trace_context: dict[str, str] = field(default_factory=dict)
     # Keeps a conversation on one engine replica (see engine.routing.session_header).
     session_key: str | None = None
+    tenant: str = ""  # The API key's name, for fair share in the engine.
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     usage: UsageCounter = field(default_factory=UsageCounter)
@@ -145,6 +146,7 @@ class OpenAIServing:
                 stream=stream,
                 block_hashes=prompt.block_hashes,
                 session_key=prepared.stats.session_key,
+                tenant=prepared.stats.tenant,
             )
             for i, prompt in enumerate(prepared.prompts)
         ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -11,7 +12,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from openai import OpenAI
+from openai import AsyncOpenAI, OpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
 from serve_app import build_app
@@ -21,6 +22,9 @@ from tests.serve.wire import CheckedTransport
 ADMIN = "sk-admin-4c1f0e8a9b7d"
 LIMITED = "sk-limited-77e2a1c05f3b"
 TOKENS = "sk-tokens-0a9e5d3c2b1f"
+HEAVY = "sk-heavy-5d1c0b9a8e7f"
+LIGHT = "sk-light-2a3b4c5d6e7f"
+SLOTS = 16  # The engine's max_num_seqs.
 RPM = 6
 OPEN = {"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 USER: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hi."}]
@@ -31,7 +35,9 @@ def secure_url(base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
     from ray import serve
 
     keys = Path(tmp_path_factory.mktemp("keys")) / "api_keys"
-    keys.write_text(f"admin:{ADMIN}\nlimited:{LIMITED}\ntokens:{TOKENS}\n")
+    keys.write_text(
+        f"admin:{ADMIN}\nlimited:{LIMITED}\ntokens:{TOKENS}\nheavy:{HEAVY}\nlight:{LIGHT}\n"
+    )
     keys.chmod(0o600)
     args: dict[str, Any] = {
         "model": {"name": MODEL, "max_model_len": 2048, "dtype": "auto"},
@@ -40,8 +46,9 @@ def secure_url(base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
             "enforce_eager": True,
             "kv_cache_space_gib": 1,
             "block_size": 32,
-            "max_num_seqs": 16,
+            "max_num_seqs": SLOTS,
             "num_cpus": 0.2,
+            "fair_share": {"weights": {"light": 2}},
         },
         "preprocessor": {"num_cpus": 0.05},
         "router": {"num_cpus": 0.05, "num_replicas": 2},
@@ -202,3 +209,46 @@ def test_every_prompt_is_charged_its_budget(secure_url: str) -> None:
     assert error.value.body["type"] == "tokens"  # type: ignore[index]
     assert "it needs 124 tokens" in error.value.message
     assert "retry-after" not in error.value.response.headers
+
+
+async def _stream(client: AsyncOpenAI, prompt: str, max_tokens: int, firsts: list[float]) -> None:
+    """A streamed chat; appends when its first token arrived (monotonic clock)."""
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        if not firsts and chunk.choices and chunk.choices[0].delta.content:
+            firsts.append(time.monotonic())
+
+
+def test_a_light_key_is_admitted_before_a_heavy_keys_queue(secure_url: str) -> None:
+    """Fair share: the heavy key holds all 16 slots with 48 more requests waiting; the light
+    key's request takes one of the next free slots instead of waiting behind the 48 (vLLM
+    alone serves first come, first served: every waiting heavy request would start first)."""
+
+    async def scenario() -> None:
+        heavy = AsyncOpenAI(base_url=f"{secure_url}/v1", api_key=HEAVY, max_retries=0)
+        light = AsyncOpenAI(base_url=f"{secure_url}/v1", api_key=LIGHT, max_retries=0)
+        firsts: list[list[float]] = [[] for _ in range(4 * SLOTS)]
+        flood = [
+            asyncio.create_task(_stream(heavy, f"Tell a long story about ship {i}.", 48, first))
+            for i, first in enumerate(firsts)
+        ]
+        deadline = time.monotonic() + 300
+        while sum(map(bool, firsts)) < SLOTS and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        waiting = [first for first in firsts if not first]
+        light_first: list[float] = []
+        await _stream(light, "What is 2 + 2?", 4, light_first)
+        await asyncio.gather(*flood)
+        assert light_first and all(firsts)
+        assert len(waiting) >= 2 * SLOTS, len(waiting)  # First come, first served: all first.
+        started_before = sum(1 for first in waiting if first[0] < light_first[0])
+        # One on vLLM's deck, and at most the others admitted in the light request's round.
+        assert started_before <= SLOTS + 1, (started_before, len(waiting))
+
+    asyncio.run(scenario())
