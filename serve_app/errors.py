@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -85,12 +86,33 @@ BACKEND_UNAVAILABLE = ErrorInfo(
 
 
 def backend_error(exc: BaseException) -> ErrorInfo | None:
-    """503 for failures of the graph itself (a replica died, is restarting or is full)."""
-    from ray.exceptions import RayError
+    """503 for failures of the graph itself (a replica died, is restarting or is full); None
+    for a bug (the caller answers 500 ``internal_error``, which clients do not retry)."""
+    from ray.exceptions import RayError, RayTaskError
     from ray.serve.exceptions import RayServeException
 
     if isinstance(exc, APIError):
         return exc.info
+    if isinstance(exc, RayTaskError):
+        # Raised by our code inside a replica: judged by what was raised (an APIError, a call
+        # to a dead replica, or a bug), not as an outage of the replica that raised it.
+        cause = getattr(exc, "cause", None)
+        return backend_error(cause) if isinstance(cause, BaseException) else None
     if isinstance(exc, RayError | RayServeException):
         return BACKEND_UNAVAILABLE
     return None
+
+
+def stream_error(exc: BaseException) -> ErrorInfo:
+    """What a stream whose headers are sent reports as its last event: the backend's error, or
+    for a bug a 500 ``internal_error`` (logged with its traceback; the stream still ends)."""
+    info = backend_error(exc)
+    if info is not None:
+        return info
+    logging.getLogger("serve_app.errors").error("Stream failed", exc_info=exc)
+    return ErrorInfo(
+        f"Internal error: {type(exc).__name__}",
+        status=500,
+        type="server_error",
+        code="internal_error",
+    )

@@ -44,7 +44,10 @@ class AppConfig(StrictModel):
         "all full) gets 503 backend_unavailable instead of waiting for request_timeout_s.",
     )
     health_timeout_s: float = Field(
-        2, gt=0, description="/health answers 503 when no engine confirms health within this."
+        2,
+        gt=0,
+        description="/health answers 503 when Serve's controller has not said within this "
+        "whether the app runs a healthy engine replica.",
     )
     security: SecurityConfig = Field(
         default_factory=SecurityConfig,

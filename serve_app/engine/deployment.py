@@ -56,14 +56,6 @@ class EngineDeployment:
         """Serve's periodic probe: raises when vLLM's engine core is dead (replica replaced)."""
         await self.engine.check_health()
 
-    async def healthy(self) -> bool:
-        """The router's /health asks this (cheap: no engine step involved)."""
-        try:
-            await self.engine.check_health()
-        except Exception:
-            return False
-        return True
-
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Queue depth (vLLM running + waiting) for ``autoscaling.EngineQueuePolicy``."""
         return {QUEUE_METRIC: float(self.engine.num_unfinished())}

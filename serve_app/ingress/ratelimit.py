@@ -101,9 +101,10 @@ class _LimiterActor:
 class RayRateLimiter:
     """Backend over the shared named actor; re-creates it if its owner replica died."""
 
-    def __init__(self, name: str, attempts: int = 3) -> None:
+    def __init__(self, name: str, attempts: int = 3, timeout_s: float = 5.0) -> None:
         self.name = name
         self._attempts = attempts
+        self._timeout_s = timeout_s  # A hung actor must not hold every request (fail closed).
         self._actor: Any = None
 
     def _handle(self) -> Any:
@@ -131,8 +132,12 @@ class RayRateLimiter:
                 ref = self._handle().acquire.remote(
                     key, tokens, limit.requests_per_minute, limit.tokens_per_minute
                 )
-                allowed, retry_after_s, reason = await ref
+                allowed, retry_after_s, reason = await asyncio.wait_for(ref, self._timeout_s)
                 return Decision(allowed, retry_after_s, reason)
+            except TimeoutError:
+                raise LimiterUnavailable(
+                    f"rate limiter actor {self.name} did not answer within {self._timeout_s:g} s"
+                ) from None
             except RayActorError:
                 self._actor = None  # Its owner went away; get-or-create a fresh one.
                 await asyncio.sleep(0.1 * (attempt + 1))

@@ -22,6 +22,7 @@ from serve_app.ingress import http_errors
 from serve_app.ingress.handles import bounded_stream, timeout_error
 from serve_app.ingress.http_errors import error_response
 from serve_app.ingress.middleware import SecurityMiddleware, configure
+from serve_app.ingress.readiness import Readiness, engine_running
 from serve_app.ingress.tenancy import allowed_priority, tenant_of
 from serve_app.observability import tracing
 from serve_app.observability.metrics import RouterMetrics
@@ -58,6 +59,9 @@ http_errors.install(app)
 
 
 # Above the class: Serve pickles the ingress class by value, with the globals known then.
+READINESS_TTL_S = 2.0  # How long /health answers from its last look at the controller.
+
+
 def session_key(routing: RoutingConfig, headers: Mapping[str, str], user: str | None) -> str | None:
     """The key that keeps a conversation on one engine replica, if the client sent one."""
     key = headers.get(routing.session_header) if routing.session_header else None
@@ -73,10 +77,17 @@ class Router:
         self, preprocessor: DeploymentHandle, engine: DeploymentHandle, config: dict[str, Any]
     ) -> None:
         self.config = AppConfig.model_validate(config)
-        configure(self.config.security, app_name=serve.get_replica_context().app_name)
+        app_name = serve.get_replica_context().app_name
+        configure(self.config.security, app_name=app_name)
         self._preprocessor = preprocessor
         self._engine = engine.options(stream=True)
         self._engine_unary = engine
+        engine_name = str(getattr(engine, "deployment_name", "") or "Engine")
+        self.readiness = Readiness(
+            lambda: engine_running(app_name, engine_name),
+            ttl_s=READINESS_TTL_S,
+            timeout_s=self.config.health_timeout_s,
+        )
         self._max_model_len: int | None = None
         self._preprocessing = 0  # Preprocess calls in flight from this replica.
         tracing.configure(self.config.tracing.exporter)
@@ -110,16 +121,10 @@ class Router:
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health(self) -> JSONResponse:
-        """200 when an engine replica confirms its vLLM engine is alive within
-        ``health_timeout_s``; 503 otherwise (none running, restarting, dead, or saturated)."""
-        try:
-            ok = await asyncio.wait_for(
-                self._engine_unary.healthy.remote(), self.config.health_timeout_s
-            )
-        except Exception as exc:  # Timeout, no replica, backpressure: all unhealthy.
-            logger.warning("Health check failed: %r", exc)
-            ok = False
-        if ok:
+        """Readiness: 200 while Serve runs a healthy engine replica of this app, 503 when none
+        (starting, restarting, dead or hung). Cached state, no engine call: a saturated engine
+        is still ready (``serve_app.ingress.readiness``)."""
+        if await self.readiness.ready():
             return JSONResponse({"status": "ok"})
         return error_response(BACKEND_UNAVAILABLE)
 
@@ -133,8 +138,15 @@ class Router:
 
     async def _model_len(self) -> int:
         if self._max_model_len is None:
-            self._max_model_len = await self._preprocessor.max_model_len.remote()
+            self._max_model_len = await self._bounded(self._preprocessor.max_model_len.remote())
         return self._max_model_len
+
+    async def _bounded(self, call: Any) -> Any:
+        """A short handle call (model length, tokenize), bounded like an engine assignment."""
+        try:
+            return await asyncio.wait_for(call, self.config.engine_wait_timeout_s)
+        except TimeoutError:
+            raise APIError.from_info(BACKEND_UNAVAILABLE) from None
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
@@ -223,7 +235,9 @@ class Router:
             tools=body.tools,
             add_generation_prompt=body.add_generation_prompt,
         )
-        result = await self._preprocessor.tokenize.remote(request, body.add_special_tokens)
+        result = await self._bounded(
+            self._preprocessor.tokenize.remote(request, body.add_special_tokens)
+        )
         if isinstance(result, ErrorInfo):
             raise APIError.from_info(result)
         ids, strs = result
@@ -237,7 +251,7 @@ class Router:
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         self.serving.check_model(body.model)
-        result = await self._preprocessor.detokenize.remote(body.tokens)
+        result = await self._bounded(self._preprocessor.detokenize.remote(body.tokens))
         if isinstance(result, ErrorInfo):
             raise APIError.from_info(result)
         return DetokenizeResponse(prompt=result)

@@ -6,7 +6,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from serve_app.errors import backend_error
+from serve_app.errors import stream_error
 from serve_app.hops import EngineStep, PreprocessRequest, TokenLogprob
 from serve_app.openai.protocol import (
     ChatChoice,
@@ -202,10 +202,7 @@ async def _stream(
             pending = await anext(steps, None)
     except Exception as exc:
         # Headers are sent: the error travels as an SSE event, then [DONE].
-        info = backend_error(exc)
-        if info is None:
-            raise
-        yield sse(json.dumps(info.body()))
+        yield sse(json.dumps(stream_error(exc).body()))
     if include_usage:
         final = ChatCompletionChunk(
             id=prepared.request_id,

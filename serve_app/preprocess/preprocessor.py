@@ -92,14 +92,33 @@ class Preprocessor:
                 errors.append(None)
             except APIError as exc:
                 errors.append(exc.info)
+            except Exception as exc:  # A bug met on one request's input: its 500, no others'.
+                errors.append(_internal_error(request, exc))
             prompts.append(slots)
-        self._tokenize_into(prompts, pending)
+        try:
+            self._tokenize_into(prompts, pending)
+        except Exception:  # One text broke the batch call: tokenize each alone instead.
+            for item in pending:
+                try:
+                    self._tokenize_into(prompts, [item])
+                except Exception as exc:
+                    errors[item[0]] = errors[item[0]] or _internal_error(requests[item[0]], exc)
         return [
             PreprocessResult(error=error)
             if error is not None
-            else self._finish(request, [p for p in slots if p is not None])
+            else self._finish_or_fail(request, [p for p in slots if p is not None])
             for request, slots, error in zip(requests, prompts, errors, strict=True)
         ]
+
+    def _finish_or_fail(
+        self, request: PreprocessRequest, prompts: list[TokenizedPrompt]
+    ) -> PreprocessResult:
+        try:
+            return self._finish(request, prompts)
+        except APIError as exc:
+            return PreprocessResult(error=exc.info)
+        except Exception as exc:
+            return PreprocessResult(error=_internal_error(request, exc))
 
     def tokenize(self, request: PreprocessRequest, add_special_tokens: bool | None) -> list[int]:
         """Token ids exactly as a generation request would get them, without length checks."""
@@ -230,3 +249,13 @@ def _sampling_errors(sampling: SamplingSpec, vocab_size: int) -> ErrorInfo | Non
 
 def _prompt_param(request: PreprocessRequest) -> str:
     return "messages" if request.kind == "chat" else "prompt"
+
+
+def _internal_error(request: PreprocessRequest, exc: Exception) -> ErrorInfo:
+    logger.error("Preprocessing %s failed", request.request_id, exc_info=exc)
+    return ErrorInfo(
+        f"Internal error while preprocessing: {type(exc).__name__}",
+        status=500,
+        type="server_error",
+        code="internal_error",
+    )

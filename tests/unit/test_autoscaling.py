@@ -244,3 +244,26 @@ def test_serve_keeps_the_configured_delays_for_the_queue_depth_policy(
     run(5, depth_per_replica=4)  # Back at target: the downscale timer starts over.
     idle = run(310, depth_per_replica=0)
     assert idle[:299] == [4] * 299 and idle[-1] == 1, idle[295:]
+
+
+def test_errors_are_mapped_by_cause_not_by_the_replica_that_raised() -> None:
+    """A bug inside a replica is a 500 internal_error (clients do not retry it); only an outage
+    (a dead or full replica, also when a replica's own call hit one) is a retryable 503."""
+    from ray.exceptions import ActorDiedError, RayTaskError
+    from ray.serve.exceptions import BackPressureError
+
+    from serve_app.errors import APIError, backend_error, stream_error
+
+    def raised_in_replica(cause: BaseException) -> RayTaskError:
+        return RayTaskError("Engine.generate", "Traceback ...", cause)
+
+    assert backend_error(raised_in_replica(KeyError("x"))) is None
+    assert backend_error(raised_in_replica(APIError("bad", param="n"))).status == 400  # type: ignore[union-attr]
+    assert backend_error(raised_in_replica(ActorDiedError())).status == 503  # type: ignore[union-attr]
+    assert backend_error(ActorDiedError()).code == "backend_unavailable"  # type: ignore[union-attr]
+    full = BackPressureError(num_queued_requests=3, max_queued_requests=2)
+    assert backend_error(raised_in_replica(full)).status == 503  # type: ignore[union-attr]
+    assert backend_error(ValueError()) is None
+    bug = stream_error(raised_in_replica(ZeroDivisionError()))
+    assert (bug.status, bug.type, bug.code) == (500, "server_error", "internal_error")
+    assert stream_error(ActorDiedError()).code == "backend_unavailable"

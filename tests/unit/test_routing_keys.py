@@ -101,3 +101,39 @@ def test_the_session_key_comes_from_the_header_then_the_user_field() -> None:
     no_header = RoutingConfig(session_header=None)
     assert session_key(no_header, {"x-session-id": "ignored"}, None) is None
     assert session_key(routing, {"x-session-id": "k" * 1000}, None) == "k" * 256
+
+
+def test_a_bug_on_one_request_fails_that_request_only(
+    preprocessor: Preprocessor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-APIError raised for one request of an aggregation window (in its template render,
+    or in the batched tokenizer call) is that request's 500 internal_error; its neighbours are
+    served as usual."""
+    render, tokenizer = preprocessor._render, preprocessor.tokenizer
+
+    def broken_render(request: PreprocessRequest) -> object:
+        if request.request_id == "bug":
+            raise KeyError("a bug")
+        return render(request)
+
+    def broken_tokenizer(texts: object, **kwargs: object) -> object:
+        if isinstance(texts, list) and any("poison" in text for text in texts):
+            raise IndexError("a tokenizer bug")
+        return tokenizer(texts, **kwargs)
+
+    monkeypatch.setattr(preprocessor, "_render", broken_render)
+    monkeypatch.setattr(preprocessor, "tokenizer", broken_tokenizer)
+    requests = [
+        chat(AppConfig(), "What is 2 + 2?"),
+        PreprocessRequest(
+            "bug", "chat", SamplingSpec(), messages=[{"role": "user", "content": "x"}]
+        ),
+        chat(AppConfig(), "poison"),
+        chat(AppConfig(), "Name a colour."),
+    ]
+    results = preprocessor.preprocess_batch(requests)
+    assert [r.error is None for r in results] == [True, False, False, True]
+    for failed in (results[1], results[2]):
+        assert failed.error is not None
+        assert (failed.error.status, failed.error.code) == (500, "internal_error")
+    assert all(r.prompts for r in (results[0], results[3]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -418,6 +419,23 @@ async def test_ray_limiter_recreates_a_dead_actor(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(limiter, "_handle", lambda: limiter._actor or _set(limiter, Handle()))
     assert (await limiter.acquire("k", 1, KeyRateLimit(requests_per_minute=1))).allowed
     assert len(made) == 2
+
+
+async def test_ray_limiter_fails_closed_when_its_actor_hangs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stopped (SIGSTOP) limiter actor never answers: 503 after timeout_s, not a hang."""
+
+    async def never() -> Any:
+        await asyncio.sleep(3600)
+
+    handle = type(
+        "H", (), {"acquire": type("M", (), {"remote": staticmethod(lambda *a: never())})()}
+    )()
+    limiter = RayRateLimiter("test", timeout_s=0.05)
+    monkeypatch.setattr(limiter, "_handle", lambda: handle)
+    with pytest.raises(LimiterUnavailable, match="did not answer"):
+        await limiter.acquire("k", 1, KeyRateLimit(requests_per_minute=1))
 
 
 def _set(limiter: RayRateLimiter, handle: Any) -> Any:
