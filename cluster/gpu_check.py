@@ -99,6 +99,33 @@ def list_gpus() -> list[str]:
     return [line.strip() for line in result.stdout.splitlines() if line.strip()]
 
 
+def gpu_memory() -> list[str]:
+    """'index, used, total' per GPU, as nvidia-smi reports them (after the benchmark)."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    result = subprocess.run(
+        ["nvidia-smi", "--query-gpu=index,memory.used,memory.total", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    return [line.strip() for line in result.stdout.splitlines() if line.strip()]
+
+
+def gpu_placement_groups(table: dict[str, Any]) -> list[dict[str, Any]]:
+    """The created placement groups that hold GPUs (the engine replicas'), from
+    ``ray.util.placement_group_table()``: strategy, bundles and the node of each bundle."""
+    groups = []
+    for group in table.values():
+        bundles = list(group.get("bundles", {}).values())
+        if group.get("state") != "CREATED" or not any(b.get("GPU") for b in bundles):
+            continue
+        nodes = [str(n)[:8] for n in group.get("bundles_to_node_id", {}).values()]
+        groups.append({"strategy": group.get("strategy"), "bundles": bundles, "nodes": nodes})
+    return groups
+
+
 def preflight(world_size: int) -> list[str]:
     import importlib.metadata
 
@@ -239,6 +266,11 @@ def run(args: argparse.Namespace, figures: Figures) -> None:
         flush=True,
     )
     asyncio.run(benchmark(base_url, figures.model, args, figures))
+    if not args.base_url:  # What the engine actually got: memory per GPU, its placement group.
+        import ray
+
+        figures.gpu_memory = gpu_memory()
+        figures.placement_groups = gpu_placement_groups(ray.util.placement_group_table())
 
 
 def main(argv: list[str] | None = None) -> int:

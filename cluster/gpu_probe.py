@@ -37,6 +37,8 @@ class Figures:
     ttft_p90_s: float | None = None
     latency_p50_s: float | None = None
     engine_args: dict[str, Any] = field(default_factory=dict)
+    gpu_memory: list[str] = field(default_factory=list)  # "index, used MiB, total MiB" each.
+    placement_groups: list[dict[str, Any]] = field(default_factory=list)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -173,6 +175,14 @@ def report(figures: Figures) -> None:
         ("output tokens/s", f"{figures.output_tok_per_s:.1f}"),
         ("TTFT p50 / p90", f"{seconds(figures.ttft_p50_s)} / {seconds(figures.ttft_p90_s)}"),
         ("latency p50", seconds(figures.latency_p50_s)),
+        ("GPU memory used", "; ".join(figures.gpu_memory) or "-"),
+        *[
+            (
+                "placement group",
+                f"{group['strategy']} {group['bundles']} on nodes {group['nodes']}",
+            )
+            for group in figures.placement_groups
+        ],
     ]
     width = max(len(name) for name, _ in rows)
     print()

@@ -116,3 +116,19 @@ def stream_error(exc: BaseException) -> ErrorInfo:
         type="server_error",
         code="internal_error",
     )
+
+
+def replica_lost(exc: object) -> bool:
+    """Whether ``exc`` (raised, or an engine's error item) says the engine under a request
+    went away (its replica died or became unreachable, or its engine core died or hung): the
+    request may be resubmitted elsewhere."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    if isinstance(exc, ErrorInfo):
+        return exc.code == "engine_unavailable"
+    if isinstance(exc, RayTaskError):
+        cause = getattr(exc, "cause", None)
+        return isinstance(cause, BaseException) and replica_lost(cause)
+    if isinstance(exc, APIError):
+        return exc.info.code == "engine_unavailable"
+    return isinstance(exc, RayActorError)

@@ -76,6 +76,19 @@ class EngineConfig(ReplicaConfig):
     health_check_timeout_s: float = Field(
         30, gt=0, description="A health check slower than this fails; the replica is replaced."
     )
+    stall_timeout_s: float | None = Field(
+        60,
+        gt=0,
+        description="An engine that holds unfinished requests and makes no step for this long "
+        "is hung: its engine core is killed, its requests get 503 engine_unavailable and Serve "
+        "replaces the replica. Must exceed the slowest single engine step; null turns it off.",
+    )
+    inject_faults: bool = Field(
+        False,
+        description="Tests only: a request whose session key (routing.session_header) is "
+        "'serve_app:fault' raises a RuntimeError inside the engine replica, standing in for a "
+        "bug, so the answer (500 internal_error, not retried) can be checked end to end.",
+    )
     fair_share: FairShareConfig = Field(
         default_factory=FairShareConfig,
         description="Weighted fair admission between API keys competing for max_num_seqs.",

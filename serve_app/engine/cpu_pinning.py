@@ -88,23 +88,40 @@ def pin_tree(root_pid: int, cores: list[int]) -> int:
     return moved
 
 
+def per_rank(cores: list[int], ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for ``ranks`` model workers: ``cores`` split evenly, one list
+    per rank ('0-1|2-3'; the last takes any rest); with fewer cores than ranks they share."""
+    if ranks <= 1:
+        return core_list(cores)
+    if len(cores) < ranks:
+        return "|".join(str(cores[rank % len(cores)]) for rank in range(ranks))
+    size = len(cores) // ranks
+    groups = [cores[rank * size : (rank + 1) * size] for rank in range(ranks - 1)]
+    return "|".join(core_list(g) for g in [*groups, cores[(ranks - 1) * size :]])
+
+
 @contextlib.contextmanager
-def engine_isolation(threads_bind: str) -> Iterator[None]:
+def engine_isolation(threads_bind: str, ranks: int = 1) -> Iterator[None]:
     """Around starting vLLM in an engine replica. When the launcher confined Ray (and so this
-    replica) to some cores, the model worker gets all the others: bind it there, then move
-    this replica and vLLM's scheduler process back. Otherwise vLLM binds as configured."""
+    replica) to some cores, the model workers get all the others: bind them there, then move
+    this replica and vLLM's scheduler process back. Otherwise vLLM binds as configured, except
+    that several ranks (tensor/pipeline parallel) get an explicit split: vLLM's own 'auto'
+    wants a NUMA node per rank, which most single-socket machines do not have."""
     confined = sorted(os.sched_getaffinity(0))
     if threads_bind != "auto":
         yield
         return
     # Widening succeeds for the cores this container may use (the cgroup's cpuset).
     os.sched_setaffinity(0, range(os.cpu_count() or 1))
-    worker = [c for c in sorted(os.sched_getaffinity(0)) if c not in confined]
+    allowed = sorted(os.sched_getaffinity(0))
+    worker = [c for c in allowed if c not in confined]
     if not worker:
         os.sched_setaffinity(0, confined)
+        if ranks > 1:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = per_rank(allowed, ranks)
         yield
         return
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = core_list(worker)
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = per_rank(worker, ranks)
     logger.info("Model worker on cores %s; Ray and this replica on %s", worker, confined)
     try:
         yield

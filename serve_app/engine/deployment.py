@@ -15,6 +15,8 @@ from serve_app.errors import APIError, ErrorInfo
 from serve_app.hops import EngineRequest, EngineStep
 from serve_app.observability import tracing
 
+FAULT_SESSION_KEY = "serve_app:fault"  # With engine.inject_faults (tests only).
+
 
 @serve.deployment(name="Engine")
 class EngineDeployment:
@@ -31,6 +33,8 @@ class EngineDeployment:
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep | ErrorInfo]:
         # Errors travel as values: exceptions crossing Ray lose their OpenAI fields.
         started_ns, first_ns, last = time.time_ns(), 0, None
+        if self.config.engine.inject_faults and request.session_key == FAULT_SESSION_KEY:
+            raise RuntimeError("fault injected (engine.inject_faults)")
         try:
             async for step in self.engine.generate(request):
                 if not first_ns and any(c.token_ids for c in step.chunks):

@@ -14,7 +14,7 @@ from serve_app.config import AppConfig
 from serve_app.engine import cpu_pinning
 from serve_app.engine.background_gate import BackgroundGate
 from serve_app.engine.fair_share import FairQueue, FairShareGate
-from serve_app.engine.watchdog import EngineWatchdog
+from serve_app.engine.watchdog import EngineWatchdog, StepHeartbeat
 from serve_app.errors import APIError
 from serve_app.hops import EngineChunk, EngineRequest, EngineStep, TokenLogprob, TopLogprob
 from serve_app.models.cpu_features import native_bf16
@@ -173,12 +173,12 @@ def to_engine_step(output: Any, request: EngineRequest) -> EngineStep:
     )
 
 
-def _ray_stat_loggers() -> list[Any] | None:
+def _ray_stat_loggers() -> list[Any]:
     """vLLM's metrics through Ray's metrics API, when running inside a Ray worker."""
     import ray
 
     if not ray.is_initialized():
-        return None
+        return []  # vLLM adds its own Prometheus logger.
     from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
     return [RayPrometheusStatLogger]
@@ -205,14 +205,17 @@ class VLLMEngine:
         logger.info("Starting vLLM AsyncLLM with %s", args)
         self.resolved_args = args
         bind = config.engine.cpu_threads_bind if config.engine.resolved_device() == "cpu" else ""
-        with cpu_pinning.engine_isolation(bind):
+        heartbeat = StepHeartbeat()
+        with cpu_pinning.engine_isolation(bind, config.engine.world_size):
             self._llm = AsyncLLM.from_engine_args(
                 vllm_engine_args(args, AsyncEngineArgs),
-                stat_loggers=_ray_stat_loggers(),
+                stat_loggers=[*_ray_stat_loggers(), heartbeat.stat_logger_factory()],
                 usage_context=UsageContext.LLM_CLASS if offline else UsageContext.OPENAI_API_SERVER,
             )
         self.max_model_len: int = self._llm.model_config.max_model_len
-        self._watchdog = EngineWatchdog(self._llm)
+        self._watchdog = EngineWatchdog.for_engine(
+            self._llm, heartbeat, config.engine.stall_timeout_s
+        )
         engine = config.engine
         self._background = BackgroundGate(
             max(1, engine.max_num_seqs - engine.interactive_reserved_seqs)

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ray.serve.exceptions import BackPressureError
 
-from serve_app.errors import APIError
+from serve_app.errors import APIError, replica_lost
+
+logger = logging.getLogger("serve_app.ingress")
+# Before a resubmission: Serve's handle drops a dead replica when the failed call settles.
+RESUBMIT_BACKOFF_S = 0.5
 
 
 def timeout_error(timeout_s: float) -> APIError:
@@ -88,3 +93,39 @@ async def bounded_stream(
             # must not replace the error already being raised.
             with contextlib.suppress(Exception):
                 response.cancel()
+
+
+async def resubmitted_once(
+    attempt: Callable[[], AsyncIterator[Any]],
+    on_resubmit: Callable[[], None] | None = None,
+    backoff_s: float = RESUBMIT_BACKOFF_S,
+) -> AsyncIterator[Any]:
+    """The items of ``attempt()``; if its engine went away before the first item (replica
+    killed, node lost, engine core dead or hung: raised, or the engine's own error item), once
+    more from a fresh call, which Serve routes to a live replica: invisible to the client, who
+    has seen nothing yet. After the first item the error stands (part of an answer is out).
+    The engine request id stays the same, so both tries show as one request in traces."""
+    for tries_left in (1, 0):
+        started = False
+        lost: Any = None
+        items = attempt()
+        try:
+            async for item in items:
+                if not started and tries_left and replica_lost(item):
+                    lost = item
+                    break
+                started = True
+                yield item
+        except Exception as exc:
+            if started or not tries_left or not replica_lost(exc):
+                raise
+            lost = exc
+        finally:
+            if (aclose := getattr(items, "aclose", None)) is not None:
+                await aclose()
+        if lost is None:
+            return
+        logger.warning("Engine lost before the first token (%r): resubmitting once", lost)
+        if on_resubmit is not None:
+            on_resubmit()
+        await asyncio.sleep(backoff_s)

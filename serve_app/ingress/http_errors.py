@@ -27,6 +27,8 @@ def error_response(info: ErrorInfo) -> JSONResponse:
     response = JSONResponse(info.body(), status_code=info.status)
     if info.status in (429, 503):  # Overloaded or restarting: tell clients when to retry.
         response.headers["retry-after"] = "1"
+    elif info.status == 500:  # A bug: the same request fails again (the openai SDK obeys this).
+        response.headers["x-should-retry"] = "false"
     return response
 
 

@@ -17,10 +17,11 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.batch_api import routes as batch_routes
 from serve_app.config import AppConfig, RoutingConfig
 from serve_app.errors import BACKEND_UNAVAILABLE, APIError, ErrorInfo
-from serve_app.hops import PreprocessRequest, PreprocessResult, SamplingSpec
+from serve_app.hops import EngineRequest, PreprocessRequest, PreprocessResult, SamplingSpec
 from serve_app.ingress import http_errors
-from serve_app.ingress.handles import bounded_stream, timeout_error
+from serve_app.ingress.handles import bounded_stream, resubmitted_once, timeout_error
 from serve_app.ingress.http_errors import error_response
+from serve_app.ingress.keepalive import KeepAliveStreamingResponse, answer_later
 from serve_app.ingress.middleware import SecurityMiddleware, configure
 from serve_app.ingress.readiness import Readiness, engine_running
 from serve_app.ingress.tenancy import allowed_priority, tenant_of
@@ -91,17 +92,26 @@ class Router:
         self._max_model_len: int | None = None
         self._preprocessing = 0  # Preprocess calls in flight from this replica.
         tracing.configure(self.config.tracing.exporter)
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(app_name)
         self.serving = OpenAIServing(
             self.config,
             preprocess=self._preprocess,
-            generate=lambda request: bounded_stream(
+            generate=self._generate,
+        )
+        batch_routes.attach(self.serving, self.config)
+
+    def _generate(self, request: EngineRequest) -> AsyncIterator[Any]:
+        """One engine call, bounded; resubmitted once if its engine goes before a token."""
+        return resubmitted_once(
+            lambda: bounded_stream(
                 lambda: self._engine.generate.remote(request),
                 assign_timeout_s=self.config.engine_wait_timeout_s,
                 timeout_s=self.config.request_timeout_s,
             ),
+            on_resubmit=lambda: self.metrics.resubmissions.inc(
+                1, {"model": self.serving.model_name}
+            ),
         )
-        batch_routes.attach(self.serving, self.config)
 
     async def _preprocess(self, request: PreprocessRequest) -> PreprocessResult:
         # The aggregation window (@serve.batch) only pays off when other requests can join it.
@@ -156,6 +166,7 @@ class Router:
             request,
             lambda stats: chat.chat_completion(self.serving, body, stats),
             user=body.user,
+            stream=bool(body.stream),
         )
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
@@ -166,6 +177,7 @@ class Router:
             request,
             lambda stats: completions.completion(self.serving, body, stats),
             user=body.user,
+            stream=bool(body.stream),
         )
 
     def _check(self, body: ChatCompletionRequest | CompletionRequest, request: Request) -> None:
@@ -179,6 +191,7 @@ class Router:
         request: Request,
         work: Callable[[RequestStats], Awaitable[BaseModel | AsyncIterator[str]]],
         user: str | None = None,
+        stream: bool = False,
     ) -> Response:
         """Trace, time and count one generation request; dispatch on the result type."""
         stats = RequestStats(route=route, model=self.serving.model_name)
@@ -188,24 +201,46 @@ class Router:
             f"POST {route}", context=tracing.extract(request.headers), kind=SpanKind.SERVER
         )
         stats.trace_context = tracing.inject(span)
+        answer = asyncio.ensure_future(self._with_timeout(work(stats)))
+        keepalive_s = self.config.sse_keepalive_s if stream else None
         try:
-            result = await self._with_timeout(work(stats))
+            if keepalive_s is not None:
+                await asyncio.wait({answer}, timeout=keepalive_s)
+        except BaseException:  # The client went away: so does its work.
+            answer.cancel()
+            raise
+        if keepalive_s is not None and not answer.done():
+            # Still waiting: headers now, keep-alive comments meanwhile.
+            return KeepAliveStreamingResponse(
+                self._observed(answer_later(answer), span, stats),
+                keepalive_s,
+                media_type="text/event-stream",
+                headers=self._trace_headers(span),
+            )
+        try:
+            result = await answer
         except APIError as exc:
             self._finish(span, stats, exc.info.status)
             raise
         except BaseException:
             self._finish(span, stats, 500)
             raise
-        # Serve already answers with its own x-request-id; the trace id travels in traceparent.
-        headers = {}
-        if traceparent := tracing.traceparent(span):
-            headers["traceparent"] = traceparent
+        headers = self._trace_headers(span)
         if isinstance(result, BaseModel):
             self._finish(span, stats, 200)
             return JSONResponse(result.model_dump(mode="json"), headers=headers)
-        return StreamingResponse(
-            self._observed(result, span, stats), media_type="text/event-stream", headers=headers
+        events = self._observed(result, span, stats)
+        if keepalive_s is None:
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        return KeepAliveStreamingResponse(
+            events, keepalive_s, media_type="text/event-stream", headers=headers
         )
+
+    @staticmethod
+    def _trace_headers(span: Span) -> dict[str, str]:
+        # Serve already answers with its own x-request-id; the trace id travels in traceparent.
+        traceparent = tracing.traceparent(span)
+        return {"traceparent": traceparent} if traceparent else {}
 
     async def _observed(
         self, stream: AsyncIterator[str], span: Span, stats: RequestStats

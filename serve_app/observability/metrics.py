@@ -23,7 +23,7 @@ _WINDOW_BUCKETS = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0]
 
 
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, application: str = "") -> None:
         from ray.util import metrics
 
         tags = ("route", "model")
@@ -56,6 +56,12 @@ class RouterMetrics:
         self.generation_tokens = metrics.Counter(
             "serve_app_generation_tokens_total", "Tokens generated.", tag_keys=tags
         )
+        self.resubmissions = metrics.Counter(
+            "serve_app_engine_resubmissions_total",
+            "Engine requests resubmitted because their engine went away before the first token.",
+            tag_keys=("application", "model"),
+        )
+        self.resubmissions.set_default_tags({"application": application})
 
     def record(self, stats: RequestStats, status: int) -> None:
         tags = {"route": stats.route, "model": stats.model}

@@ -39,7 +39,10 @@ def base_url() -> Iterator[str]:
     config = load_serve_config(ROOT / "serve_config.cpu.yaml")
     # A smaller KV cache than `make serve` keeps room for a second engine (tiny-qwen2); every
     # test runs with tracing on (in-memory spans), so tracing is exercised on every path.
-    overrides = {"engine": {"kv_cache_space_gib": 1}, "tracing": {"exporter": "memory"}}
+    overrides = {
+        "engine": {"kv_cache_space_gib": 1, "inject_faults": True},  # test_errors provokes one.
+        "tracing": {"exporter": "memory"},
+    }
     try:
         urls = start(config, port=_free_port(), overrides=overrides)
         wait_ready(urls[0], timeout_s=600)

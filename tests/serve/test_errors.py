@@ -115,3 +115,32 @@ def test_streaming_request_errors_before_the_stream_starts(client: OpenAI) -> No
             max_tokens=10_000,
             stream=True,  # type: ignore[arg-type]
         )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_bug_in_a_replica_is_a_500_the_sdk_does_not_retry(base_url: str, stream: bool) -> None:
+    """A RuntimeError raised inside the engine replica (engine.inject_faults, on in the test
+    app) is our bug, not an outage: 500 internal_error without Retry-After, x-should-retry:
+    false, and the openai SDK (retries on) raises InternalServerError after one attempt."""
+    fault = {"x-session-id": "serve_app:fault"}  # The session key the hook answers to.
+    body = {**CHAT, "stream": stream}
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=body, headers=fault, timeout=60)
+    assert response.status_code == 500, response.text
+    error = response.json()["error"]
+    assert error["code"] == "internal_error" and error["type"] == "server_error", error
+    assert "retry-after" not in response.headers
+    assert response.headers["x-should-retry"] == "false"
+    attempts: list[httpx.Request] = []
+    sdk = OpenAI(
+        base_url=f"{base_url}/v1",
+        api_key="unused",
+        max_retries=2,
+        http_client=httpx.Client(timeout=60, event_hooks={"request": [attempts.append]}),
+    )
+    with pytest.raises(openai.InternalServerError):
+        sdk.chat.completions.create(
+            model=MODEL, messages=USER, max_tokens=4, stream=stream, extra_headers=fault
+        )
+    assert len(attempts) == 1
+    ok = httpx.post(f"{base_url}/v1/chat/completions", json=CHAT, timeout=60)
+    assert ok.status_code == 200  # The replica lives on.

@@ -1,4 +1,6 @@
-"""The Qwen2 code path: tiny-qwen2 (random weights, Qwen2.5 ChatML template) through the graph."""
+"""The Qwen2 code path: tiny-qwen2 (random weights, Qwen2.5 ChatML template) through the graph,
+on the multi-worker engine path: tensor parallel 2, one model worker per rank (vLLM CPU has
+no Ray executor: "current platform cpu does not support ray"; it runs its multiprocessing one)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ def qwen_client(base_url: str) -> Iterator[OpenAI]:
                 "kv_cache_space_gib": 1,
                 "max_num_seqs": 16,
                 "num_cpus": 0.2,
+                "tensor_parallel_size": 2,  # tiny-qwen2: 2 heads, 1 KV head (replicated).
             },
             "preprocessor": {"num_cpus": 0.05},
             "router": {"num_cpus": 0.05},
@@ -88,3 +91,25 @@ def test_qwen2_default_system_prompt_and_streaming(qwen_client: OpenAI) -> None:
     usage = chunks[-1].usage
     assert usage is not None
     assert usage.prompt_tokens == len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+
+def test_qwen2_serves_with_tensor_parallel_2(qwen_client: OpenAI) -> None:
+    """Two model workers, each with its own core list, serve one engine (vLLM's TP=2 path:
+    weights sharded, an all-reduce per layer), answering through the graph like TP=1."""
+    import psutil
+    from ray import serve
+
+    handle = serve.get_deployment_handle("Engine", app_name="qwen")
+    args = handle.engine_args.remote().result(timeout_s=60)
+    assert args["tensor_parallel_size"] == 2
+    from tests.serve.test_scale_survive import _replica_pids
+
+    (replica,) = _replica_pids("qwen", "Engine")
+    workers = [
+        p
+        for p in psutil.Process(replica).children(recursive=True)
+        if "VLLM::Worker" in " ".join([p.name(), *p.cmdline()])
+    ]
+    assert len(workers) == 2, [(p.pid, p.name()) for p in workers]
+    completion = qwen_client.completions.create(model=QWEN, prompt="Hello", max_tokens=8)
+    assert completion.usage is not None and completion.usage.completion_tokens >= 1

@@ -37,6 +37,7 @@ ROUTING: dict[str, Any] = {
     "request_timeout_s": 50,
 }
 DECISIONS = "ray_serve_app_routing_decisions_total"
+RESUBMISSIONS = "ray_serve_app_engine_resubmissions_total"
 
 
 def system_prompt(k: int) -> str:
@@ -186,6 +187,68 @@ def test_a_completion_with_several_prompts_is_routed_whole(routing_client: OpenA
         model=MODEL, prompt=prompts, max_tokens=2, temperature=0
     )
     assert sorted(choice.index for choice in completion.choices) == [0, 1, 2, 3]
+
+
+def test_a_killed_engine_replica_costs_no_request_that_had_not_started(routing_url: str) -> None:
+    """SIGKILL one engine replica under load. What it held and had not answered yet (every
+    non-streaming request) is resubmitted to the other replica, invisibly: all 200. A stream
+    that had started ends with an error event, then [DONE]; nothing hangs. Serve brings the
+    replica back."""
+    import json
+    import os
+    import signal
+
+    from tests.serve.test_scale_survive import _replica_pids
+
+    before = _sample(_metrics_text(), RESUBMISSIONS, application=APP)
+
+    started: list[int] = []
+
+    async def stream(http: httpx.AsyncClient, i: int) -> list[str]:
+        body = chat(3 + i % 2, f"Tell a long story about ship {i}.", 160) | {"stream": True}
+        body["ignore_eos"] = True
+        events = []
+        async with http.stream("POST", f"{routing_url}/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    if len(events) == 2:  # Role, then the first token.
+                        started.append(i)
+        return events
+
+    async def whole(http: httpx.AsyncClient, i: int) -> int:
+        body = chat(3 + i % 2, f"Tell a long story about plane {i}.", 96)
+        body["ignore_eos"] = True
+        return (await http.post(f"{routing_url}/v1/chat/completions", json=body)).status_code
+
+    async def run() -> tuple[list[list[str]], list[int]]:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(240, connect=30)) as http:
+            streams = [asyncio.create_task(stream(http, i)) for i in range(4)]
+            wholes = [asyncio.create_task(whole(http, i)) for i in range(8)]
+            deadline = time.monotonic() + 120
+            while len(started) < 4 and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)  # Admitted on both replicas, streams under way.
+            victim = _replica_pids(APP, "Engine")[0]
+            os.kill(victim, signal.SIGKILL)
+            return list(await asyncio.gather(*streams)), list(await asyncio.gather(*wholes))
+
+    streamed, statuses = asyncio.run(run())
+    assert statuses == [200] * 8, statuses
+    cut = 0
+    for events in streamed:
+        assert events[-1] == "data: [DONE]", events[-3:]
+        if '"error"' in events[-2]:
+            cut += 1
+            assert json.loads(events[-2][6:])["error"]["type"] == "server_error", events[-2]
+    after = _sample(_metrics_text(), RESUBMISSIONS, application=APP)
+    deadline = time.monotonic() + 60
+    while after <= before and time.monotonic() < deadline:  # Exported every few seconds.
+        time.sleep(2)
+        after = _sample(_metrics_text(), RESUBMISSIONS, application=APP)
+    print(f"\nreplica killed: {cut} of 4 streams cut, {after - before:.0f} resubmitted, 8/8 200")
+    assert after > before, "no request was resubmitted: the killed replica held none"
+    _wait_for_engines(2)
 
 
 def test_scaling_down_mid_run_costs_no_request(routing_url: str) -> None:

@@ -7,6 +7,7 @@ and deletes it at the end. Every client call is bounded; timings are generous (s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -31,6 +32,7 @@ SURVIVE: dict[str, Any] = {
         "health_check_period_s": 2,
         "health_check_timeout_s": 20,
         "graceful_shutdown_timeout_s": 5,
+        "stall_timeout_s": 6,  # Well under request_timeout_s: a hung engine is a 503, not a 504.
     },
     # The router takes more than the engine: overload is shed at the engine's handle (OpenAI
     # JSON); past the router's own queue Serve's proxy rejects (plain text, Retry-After). That
@@ -200,23 +202,77 @@ def test_engine_death_fails_fast_and_recovers(survive: str) -> None:
     statuses = asyncio.run(load())
     assert "hang" not in statuses, statuses
     assert set(statuses) <= {200, 503}, statuses
+    recovered_after = _await_recovery(survive, killed_at)
+    print(f"\nin-flight at kill: {statuses}; recovered after {recovered_after:.0f} s")
+    assert _engine_core("survive").pid != core.pid
+
+
+def _await_recovery(url: str, since: float) -> float:
+    """Seconds from ``since`` until a request succeeds again; 503s (never a hang) meanwhile,
+    and readiness said 503 at least once (the replica was replaced, not just retried)."""
     seen_unhealthy = False
-    recovered_after = None
-    while time.monotonic() - killed_at < 420:
-        seen_unhealthy |= httpx.get(f"{survive}/health", timeout=10).status_code == 503
+    while time.monotonic() - since < 420:
+        seen_unhealthy |= httpx.get(f"{url}/health", timeout=10).status_code == 503
         try:
-            r = httpx.post(f"{survive}/v1/chat/completions", json=_body(4), timeout=30)
+            r = httpx.post(f"{url}/v1/chat/completions", json=_body(4), timeout=30)
         except httpx.TimeoutException:
             pytest.fail("a request hung past its client timeout during recovery")
         assert r.status_code in (200, 503), r.text
         if r.status_code == 200:
-            recovered_after = time.monotonic() - killed_at
-            break
+            assert seen_unhealthy
+            recovered = time.monotonic() - since
+            # Readiness is cached controller state (2 s): it follows within a few seconds.
+            deadline = time.monotonic() + 30
+            while httpx.get(f"{url}/health", timeout=10).status_code != 200:
+                assert time.monotonic() < deadline, "readiness stayed 503 after recovery"
+                time.sleep(0.5)
+            return recovered
         time.sleep(1)
-    assert recovered_after is not None, "the engine replica never came back"
-    print(f"\nin-flight at kill: {statuses}; recovered after {recovered_after:.0f} s")
-    assert seen_unhealthy
+    pytest.fail("the engine replica never came back")
+
+
+def test_hung_engine_fails_fast_and_is_replaced(survive: str) -> None:
+    """SIGSTOP the engine core: alive, hung, every process check passes. With requests in
+    flight and no engine step for stall_timeout_s (6 s) they get 503 engine_unavailable, not
+    the 504 of request_timeout_s (15 s); the hung core is killed and Serve replaces the replica."""
     assert httpx.get(f"{survive}/health", timeout=10).status_code == 200
+    core = _engine_core("survive")
+
+    async def load() -> list[tuple[int, str] | str]:
+        async with httpx.AsyncClient(timeout=60) as http:
+
+            async def call(i: int) -> tuple[int, str] | str:
+                try:
+                    body = _body(1500, i, ignore_eos=True)
+                    r = await http.post(f"{survive}/v1/chat/completions", json=body)
+                except httpx.TimeoutException:
+                    return "hang"
+                return r.status_code, r.json().get("error", {}).get("code", "")
+
+            tasks = [asyncio.create_task(call(i)) for i in range(4)]
+            await asyncio.sleep(2)
+            os.kill(core.pid, signal.SIGSTOP)
+            return list(await asyncio.gather(*tasks))
+
+    stopped_at = time.monotonic()
+    try:
+        results = asyncio.run(load())
+    finally:
+        with contextlib.suppress(psutil.Error):
+            if core.is_running():  # Only if the watchdog failed: leave nothing stopped behind.
+                core.kill()
+    print(f"\nin flight at SIGSTOP: {results}")
+    assert "hang" not in results, results
+    # engine_unavailable, or backend_unavailable for a request resubmitted (nothing was sent to
+    # the client yet) after Serve took the failed replica out of rotation.
+    lost = {(503, "engine_unavailable"), (503, "backend_unavailable")}
+    assert set(results) & lost and set(results) <= lost | {(200, "")}, results
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(core.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not psutil.pid_exists(core.pid), "the hung engine core was not killed"
+    recovered_after = _await_recovery(survive, stopped_at)
+    print(f"hung core killed; recovered after {recovered_after:.0f} s")
     assert _engine_core("survive").pid != core.pid
 
 

@@ -52,6 +52,7 @@ def secure_url(base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
         },
         "preprocessor": {"num_cpus": 0.05},
         "router": {"num_cpus": 0.05, "num_replicas": 2},
+        "sse_keepalive_s": 1,  # Queued streams here wait seconds: they must see comments.
         "security": {
             "api_keys_file": str(keys),
             "key_rate_limits": {
@@ -252,3 +253,45 @@ def test_a_light_key_is_admitted_before_a_heavy_keys_queue(secure_url: str) -> N
         assert started_before <= SLOTS + 1, (started_before, len(waiting))
 
     asyncio.run(scenario())
+
+
+def test_a_queued_stream_gets_keepalive_comments_then_its_answer(secure_url: str) -> None:
+    """A stream queued behind two rounds of a full engine says nothing for seconds: its
+    headers go out after sse_keepalive_s (1 s here) with a comment line, a comment follows
+    every silent second, and then its events come as usual, ending in [DONE]."""
+
+    async def scenario() -> list[str]:
+        heavy = AsyncOpenAI(base_url=f"{secure_url}/v1", api_key=HEAVY, max_retries=0)
+        firsts: list[list[float]] = [[] for _ in range(3 * SLOTS)]
+        flood = [
+            asyncio.create_task(_stream(heavy, f"Tell a long story about ship {i}.", 48, first))
+            for i, first in enumerate(firsts)
+        ]
+        deadline = time.monotonic() + 300
+        while sum(map(bool, firsts)) < SLOTS and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Say hi."}],
+            "max_tokens": 8,
+            "stream": True,
+        }
+        headers = {"Authorization": f"Bearer {HEAVY}"}
+        async with (
+            httpx.AsyncClient(timeout=300) as http,
+            http.stream(
+                "POST", f"{secure_url}/v1/chat/completions", json=body, headers=headers
+            ) as response,
+        ):
+            assert response.status_code == 200
+            lines = [line async for line in response.aiter_lines() if line]
+        await asyncio.gather(*flood)
+        return lines
+
+    lines = asyncio.run(scenario())
+    first_data = next(i for i, line in enumerate(lines) if line.startswith("data: "))
+    print(f"\n{first_data} keep-alive comments before the first event")
+    assert first_data >= 1 and set(lines[:first_data]) == {": keep-alive"}, lines[:5]
+    assert lines[-1] == "data: [DONE]"
+    events = [line for line in lines if line.startswith("data: ")]
+    assert len(events) >= 3 and not any('"error"' in event for event in events), events

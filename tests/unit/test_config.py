@@ -30,6 +30,7 @@ def test_defaults_are_valid() -> None:
         ("router", {"min_replicas": 3, "max_replicas": 2}, "exceeds max_replicas"),
         ("model", {"max_model_len": 4}, "greater than or equal to 16"),
         ("engine", {"cpu_threads_bind": "cores 0-3"}, "not a core list"),
+        ("engine", {"stall_timeout_s": 0}, "greater than 0"),
     ],
 )
 def test_bad_fields_fail_with_the_field_named(
@@ -138,3 +139,15 @@ def test_engine_args_resolve_auto_dtype_for_this_host() -> None:
     config = AppConfig.model_validate({"engine": {"device": "cpu"}})
     assert engine_args(config, "/m")["dtype"] == resolved_dtype("auto", "cpu", host_cpu_flags())
     assert host_cpu_flags()  # Linux CI: /proc/cpuinfo names the flags.
+
+
+def test_drains_default_to_the_request_timeout() -> None:
+    """Shutdown and scale-down let a request run to its own deadline; an explicit value stands."""
+    config = AppConfig.model_validate(
+        {"request_timeout_s": 120, "router": {"graceful_shutdown_timeout_s": 5}}
+    )
+    assert config.engine.deployment_options()["graceful_shutdown_timeout_s"] == 130
+    assert config.preprocessor.deployment_options()["graceful_shutdown_timeout_s"] == 130
+    assert config.router.deployment_options()["graceful_shutdown_timeout_s"] == 5
+    again = AppConfig.model_validate(config.model_dump())  # As each replica reads it.
+    assert again.engine.graceful_shutdown_timeout_s == 130

@@ -39,6 +39,28 @@ def test_engine_isolation_leaves_an_unconfined_process_alone() -> None:
         assert os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == bind
 
 
+def test_ranks_get_a_core_list_each() -> None:
+    assert cpu_pinning.per_rank([0, 1, 2, 3], 1) == "0,1,2,3"
+    assert cpu_pinning.per_rank([0, 1, 2, 3], 2) == "0,1|2,3"
+    assert cpu_pinning.per_rank([0, 1, 2, 3, 4], 2) == "0,1|2,3,4"
+    assert cpu_pinning.per_rank([4, 5, 6, 7], 4) == "4|5|6|7"
+    assert cpu_pinning.per_rank([1], 2) == "1|1"  # Fewer cores than ranks: shared.
+    for text in ("0,1|2,3", "1|1"):
+        assert cores.check_threads_bind(text) == text  # The form vLLM takes.
+
+
+def test_several_ranks_on_an_unconfined_process_get_an_explicit_split(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's 'auto' wants one NUMA node per rank: two ranks get '<cores>|<cores>' instead."""
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    before = os.sched_getaffinity(0)
+    with cpu_pinning.engine_isolation("auto", ranks=2):
+        assert os.sched_getaffinity(0) == before
+        bind = os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+    assert bind == cpu_pinning.per_rank(sorted(before), 2) and "|" in bind
+
+
 def test_core_lists_parse_like_vllm_and_bad_ones_are_refused() -> None:
     assert cores.parse_core_list("0-2,5") == [0, 1, 2, 5]
     assert cores.parse_core_list("3") == [3]

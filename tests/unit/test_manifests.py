@@ -90,6 +90,21 @@ def test_serve_config_v2_is_serve_config_yaml(
     assert sync_manifest.main(["--check"]) == 0
 
 
+def test_drains_cover_the_request_timeout(
+    rayservice: dict[str, Any], cluster_spec: dict[str, Any], app_config: AppConfig
+) -> None:
+    """Scale-in, upgrade and delete let every request run to its own deadline: replicas drain
+    that long, GPU pods (every replica runs there) and the old cluster after an upgrade stay."""
+    drain = max(
+        app_config.engine.deployment_options()["graceful_shutdown_timeout_s"],
+        app_config.router.deployment_options()["graceful_shutdown_timeout_s"],
+    )
+    assert drain >= app_config.request_timeout_s
+    for group in gpu_groups(cluster_spec):
+        assert group["template"]["spec"]["terminationGracePeriodSeconds"] >= drain
+    assert rayservice["spec"]["rayClusterDeletionDelaySeconds"] >= drain
+
+
 def test_sync_manifest_check_fails_on_drift_and_rewrite_fixes_it(tmp_path: Path) -> None:
     manifest = tmp_path / "rayservice.yaml"
     manifest.write_text(RAYSERVICE.read_text())
@@ -274,3 +289,24 @@ def test_gpu_check_fails_without_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gpu_check, "list_gpus", lambda: [])
     with pytest.raises(gpu_check.CheckFailed, match="needs 4 GPUs"):
         gpu_check.preflight(4)
+
+
+def test_gpu_check_reports_the_engines_placement_group() -> None:
+    """From ray.util.placement_group_table()'s shape: created groups holding GPUs only."""
+    table = {
+        "a1": {
+            "state": "CREATED",
+            "strategy": "STRICT_PACK",
+            "bundles": {0: {"CPU": 1.0, "GPU": 1.0}, 1: {"GPU": 1.0}},
+            "bundles_to_node_id": {0: "f00dfeed00aa", 1: "f00dfeed00aa"},
+        },
+        "b2": {"state": "CREATED", "strategy": "PACK", "bundles": {0: {"CPU": 1.0}}},
+        "c3": {"state": "REMOVED", "strategy": "PACK", "bundles": {0: {"GPU": 1.0}}},
+    }
+    assert gpu_check.gpu_placement_groups(table) == [
+        {
+            "strategy": "STRICT_PACK",
+            "bundles": [{"CPU": 1.0, "GPU": 1.0}, {"GPU": 1.0}],
+            "nodes": ["f00dfeed", "f00dfeed"],
+        }
+    ]
