@@ -16,14 +16,16 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, File, Form, Query, UploadFile
+from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from serve_app.batch_api.service import ENDPOINTS, BatchService, parse_input
+from serve_app.batch_api.input import parse_input
+from serve_app.batch_api.service import ENDPOINTS, BatchService
 from serve_app.batch_api.store import BatchStore, new_id
 from serve_app.config import AppConfig
 from serve_app.errors import APIError
+from serve_app.ingress.tenancy import tenant_of
 from serve_app.openai.protocol import ErrorResponse
 from serve_app.openai.serving import OpenAIServing
 
@@ -72,40 +74,49 @@ def service() -> BatchService:
 # Routes -----------------------------------------------------------------------------------
 
 
+# Files and batches belong to the API key that created them (its name; "" without keys):
+# another key gets 404 for them, as for ids that do not exist, and never lists them.
+
+
 @router.post("/v1/files")
-async def create_file(file: UploadFile = File(...), purpose: str = Form(...)) -> JSONResponse:  # noqa: B008
+async def create_file(
+    request: Request,
+    file: UploadFile = File(...),  # noqa: B008
+    purpose: str = Form(...),
+) -> JSONResponse:
     if purpose != "batch":
         raise APIError("Only purpose=batch is supported.", param="purpose")
     content = await file.read()
+    name = file.filename or "upload.jsonl"
     stored = await asyncio.to_thread(
-        service().store.create_file, content, file.filename or "upload.jsonl", purpose
+        service().store.create_file, content, name, purpose, tenant_of(request)
     )
     return JSONResponse(stored)
 
 
-def _file(file_id: str) -> dict[str, Any]:
-    found = service().store.get_file(file_id)
+def _file(file_id: str, request: Request) -> dict[str, Any]:
+    found = service().store.get_file(file_id, tenant_of(request))
     if found is None:
         raise not_found("file", file_id)
     return found
 
 
 @router.get("/v1/files/{file_id}")
-async def retrieve_file(file_id: str) -> JSONResponse:
-    return JSONResponse(_file(file_id))
+async def retrieve_file(file_id: str, request: Request) -> JSONResponse:
+    return JSONResponse(_file(file_id, request))
 
 
 DOWNLOAD_CHUNK = 256 * 1024
 
 
 @router.get("/v1/files/{file_id}/content")
-async def file_content(file_id: str) -> Response:
+async def file_content(file_id: str, request: Request) -> Response:
     """Streamed from disk in 256 KiB chunks: a download never holds a whole file in memory.
 
     The file is opened before the response starts, so a delete meanwhile (the open handle
     outlives the name) cannot cut it short or turn it into a 500.
     """
-    _file(file_id)
+    _file(file_id, request)
     try:
         handle = await asyncio.to_thread(service().store.file_path(file_id).open, "rb")
     except FileNotFoundError:
@@ -125,22 +136,22 @@ async def file_content(file_id: str) -> Response:
 
 
 @router.delete("/v1/files/{file_id}")
-async def delete_file(file_id: str) -> JSONResponse:
-    if not service().store.delete_file(file_id):
+async def delete_file(file_id: str, request: Request) -> JSONResponse:
+    if not service().store.delete_file(file_id, tenant_of(request)):
         raise not_found("file", file_id)
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
 
 @router.post("/v1/batches")
-async def create_batch(body: BatchCreate) -> JSONResponse:
+async def create_batch(body: BatchCreate, request: Request) -> JSONResponse:
     svc = service()
     if body.endpoint not in ENDPOINTS:
         raise APIError(f"endpoint must be one of {', '.join(ENDPOINTS)}.", param="endpoint")
     if body.completion_window != "24h":
         raise APIError("completion_window must be 24h.", param="completion_window")
-    _file(body.input_file_id)
+    _file(body.input_file_id, request)
     content = await asyncio.to_thread(svc.store.file_content, body.input_file_id)
-    lines = parse_input(content, body.endpoint)
+    parsed = parse_input(content, body.endpoint)
     now = int(time.time())
     batch: dict[str, Any] = {
         "id": new_id("batch"),
@@ -154,34 +165,34 @@ async def create_batch(body: BatchCreate) -> JSONResponse:
         "error_file_id": None,
         "created_at": now,
         "expires_at": now + 24 * 3600,
-        "request_counts": {"total": len(lines), "completed": 0, "failed": 0},
+        "request_counts": {"total": parsed.total, "completed": 0, "failed": 0},
         "metadata": body.metadata,
     }
     for stamp in ("in_progress_at", "finalizing_at", "completed_at", "failed_at"):
         batch[stamp] = None
     batch |= {"expired_at": None, "cancelling_at": None, "cancelled_at": None}
-    svc.store.save_batch(batch)
+    svc.store.save_batch(batch, owner=tenant_of(request))
     svc.start(batch["id"])
     return JSONResponse(batch)
 
 
-def _batch(batch_id: str) -> dict[str, Any]:
-    found = service().store.get_batch(batch_id)
+def _batch(batch_id: str, request: Request) -> dict[str, Any]:
+    found = service().store.get_batch(batch_id, tenant_of(request))
     if found is None:
         raise not_found("batch", batch_id)
     return found
 
 
 @router.get("/v1/batches/{batch_id}")
-async def retrieve_batch(batch_id: str) -> JSONResponse:
-    return JSONResponse(_batch(batch_id))
+async def retrieve_batch(batch_id: str, request: Request) -> JSONResponse:
+    return JSONResponse(_batch(batch_id, request))
 
 
 @router.get("/v1/batches")
 async def list_batches(
-    after: str | None = None, limit: int = Query(20, ge=1, le=100)
+    request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)
 ) -> JSONResponse:
-    data, has_more = service().store.list_batches(after, limit)
+    data, has_more = service().store.list_batches(after, limit, tenant_of(request))
     return JSONResponse(
         {
             "object": "list",
@@ -194,8 +205,8 @@ async def list_batches(
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
-async def cancel_batch(batch_id: str) -> JSONResponse:
-    batch = _batch(batch_id)
+async def cancel_batch(batch_id: str, request: Request) -> JSONResponse:
+    batch = _batch(batch_id, request)
     if batch["status"] not in ("validating", "in_progress"):
         raise APIError(f"Cannot cancel a batch that is {batch['status']}.", code="invalid_state")
     return JSONResponse(await service().cancel(batch_id))

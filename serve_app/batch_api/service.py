@@ -9,17 +9,18 @@ duplicating finished lines.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any
 
 from pydantic import ValidationError
 
+from serve_app.batch_api.input import parse_input
 from serve_app.batch_api.store import BatchStore, new_id
 from serve_app.config import AppConfig
 from serve_app.errors import APIError, ErrorInfo, backend_error
 from serve_app.openai import chat, completions
+from serve_app.openai.limits import check_limits
 from serve_app.openai.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.openai.serving import OpenAIServing, RequestStats
 
@@ -27,43 +28,6 @@ logger = logging.getLogger("serve_app.batch_api")
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 BATCH_PRIORITY = 100  # vLLM: lower runs first; interactive requests default to 0.
-
-
-def parse_input(content: bytes, endpoint: str) -> list[dict[str, Any]]:
-    """Request lines of a batch input file; a structural problem is a 400 naming the line."""
-    try:
-        text = content.decode()
-    except UnicodeDecodeError as exc:
-        raise APIError("The input file is not UTF-8 text.", param="input_file_id") from exc
-    lines: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    # JSONL lines end at \n (str.splitlines would also split inside a string holding U+2028).
-    for number, raw in enumerate(text.replace("\r\n", "\n").split("\n"), start=1):
-        if not raw.strip():
-            continue
-        where = f"Line {number} of the input file"
-        try:
-            line = json.loads(raw)
-        except ValueError as exc:
-            raise APIError(f"{where} is not valid JSON: {exc}", code="invalid_jsonl") from exc
-        if not isinstance(line, dict) or not isinstance(line.get("body"), dict):
-            raise APIError(f"{where} needs an object with custom_id, method, url and body.")
-        custom_id = line.get("custom_id")
-        if not isinstance(custom_id, str) or not custom_id:
-            raise APIError(f"{where}: custom_id must be a non-empty string.", code="invalid_line")
-        if custom_id in seen:
-            raise APIError(f"{where}: duplicate custom_id {custom_id!r}.", code="duplicate_id")
-        seen.add(custom_id)
-        if line.get("method", "POST") != "POST" or line.get("url") != endpoint:
-            raise APIError(
-                f"{where}: method must be POST and url must be the batch endpoint {endpoint} "
-                f"(got {line.get('method')} {line.get('url')}).",
-                code="invalid_url",
-            )
-        lines.append(line)
-    if not lines:
-        raise APIError("The input file has no requests.", param="input_file_id")
-    return lines
 
 
 class BatchService:
@@ -115,10 +79,11 @@ class BatchService:
                 raise asyncio.CancelledError
             batch = store.get_batch(batch_id)
             assert batch is not None
-            lines = parse_input(store.file_content(batch["input_file_id"]), batch["endpoint"])
+            parsed = parse_input(store.file_content(batch["input_file_id"]), batch["endpoint"])
+            self._record_rejected(batch_id, parsed.rejected)
             if batch["status"] == "validating":
                 store.update_batch(batch_id, status="in_progress", in_progress_at=_now())
-            await self._process(batch_id, batch["endpoint"], lines)
+            await self._process(batch_id, batch["endpoint"], parsed.lines, parsed.total)
             store.update_batch(batch_id, status="finalizing", finalizing_at=_now())
             self._finish(batch_id, "completed", "completed_at")
         except asyncio.CancelledError:
@@ -131,20 +96,42 @@ class BatchService:
             errors = {"object": "list", "data": [{"code": info.code, "message": info.message}]}
             store.update_batch(batch_id, status="failed", failed_at=_now(), errors=errors)
 
-    async def _process(self, batch_id: str, endpoint: str, lines: list[dict[str, Any]]) -> None:
+    def _record_rejected(self, batch_id: str, rejected: list[dict[str, Any]]) -> None:
+        """Input lines that cannot run go to the error file once (also across a resume)."""
+        written = {
+            record["error"].get("line")
+            for record in self.store.read_partial(batch_id, "error")
+            if record.get("response") is None and record.get("error")
+        }
+        for problem in rejected:
+            if problem["line"] in written:
+                continue
+            message = f"Line {problem['line']} of the input file: {problem['message']}."
+            error = {"code": problem["code"], "message": message, "line": problem["line"]}
+            record = {"id": new_id("batch_req"), "custom_id": problem["custom_id"]}
+            self.store.append_partial(
+                batch_id, "error", record | {"response": None, "error": error}
+            )
+
+    async def _process(
+        self, batch_id: str, endpoint: str, lines: list[dict[str, Any]], total: int
+    ) -> None:
         store = self.store
+        # Lines that ran (a rejected line's custom_id may duplicate one that runs).
         done = {
             line["custom_id"]
             for kind in ("output", "error")
             for line in store.read_partial(batch_id, kind)
+            if line.get("response") is not None
         }
-        counts = self._counts(batch_id, len(lines))
+        counts = self._counts(batch_id, total)
         todo = [line for line in lines if line["custom_id"] not in done]
         semaphore = asyncio.Semaphore(self.max_in_flight)
+        owner = store.batch_owner(batch_id)  # Its lines share the engine as that key's.
 
         async def one(line: dict[str, Any]) -> None:
             async with semaphore:
-                status, body = await self._call(endpoint, line["body"])
+                status, body = await self._call(endpoint, line["body"], owner)
             record = {
                 "id": new_id("batch_req"),
                 "custom_id": line["custom_id"],
@@ -163,16 +150,21 @@ class BatchService:
         failed = len(self.store.read_partial(batch_id, "error"))
         return {"total": total, "completed": ok, "failed": failed}
 
-    async def _call(self, endpoint: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    async def _call(
+        self, endpoint: str, body: dict[str, Any], owner: str = ""
+    ) -> tuple[int, dict[str, Any]]:
         stats = RequestStats(route=endpoint, model=self.serving.model_name)
+        stats.tenant = owner
         try:
             work: Any
             if endpoint == "/v1/chat/completions":
                 chat_request = ChatCompletionRequest.model_validate(body | {"stream": False})
+                check_limits(chat_request, self.config.security.limits)
                 self._in_background(chat_request)
                 work = chat.chat_completion(self.serving, chat_request, stats)
             else:
                 request = CompletionRequest.model_validate(body | {"stream": False})
+                check_limits(request, self.config.security.limits)
                 self._in_background(request)
                 work = completions.completion(self.serving, request, stats)
             result = await asyncio.wait_for(work, self.config.request_timeout_s)

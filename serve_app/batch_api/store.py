@@ -56,10 +56,19 @@ class BatchStore:
                 "CREATE TABLE IF NOT EXISTS batches (id TEXT PRIMARY KEY, created_at INTEGER, "
                 "status TEXT, data TEXT)"
             )
+            for table in ("files", "batches"):  # Stores from before owners: one tenant, "".
+                columns = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+                if "owner" not in columns:
+                    self._db.execute(
+                        f"ALTER TABLE {table} ADD COLUMN owner TEXT NOT NULL DEFAULT ''"
+                    )
 
     # Files ------------------------------------------------------------------------------
 
-    def create_file(self, content: bytes, filename: str, purpose: str) -> dict[str, Any]:
+    def create_file(
+        self, content: bytes, filename: str, purpose: str, owner: str = ""
+    ) -> dict[str, Any]:
+        """``owner``: the API key name it belongs to (only that key sees it; "" without keys)."""
         file_id = new_id("file")
         file: dict[str, Any] = {
             "id": file_id,
@@ -76,8 +85,8 @@ class BatchStore:
         tmp.replace(path)
         with self._lock, self._db:
             self._db.execute(
-                "INSERT INTO files VALUES (?, ?, ?)",
-                (file["id"], file["created_at"], json.dumps(file)),
+                "INSERT INTO files (id, created_at, data, owner) VALUES (?, ?, ?, ?)",
+                (file["id"], file["created_at"], json.dumps(file), owner),
             )
         return file
 
@@ -86,35 +95,47 @@ class BatchStore:
             raise KeyError(file_id)
         return self.files_dir / file_id
 
-    def get_file(self, file_id: str) -> dict[str, Any] | None:
+    def get_file(self, file_id: str, owner: str | None = None) -> dict[str, Any] | None:
+        """The file, if it exists and (``owner`` given) belongs to ``owner``."""
+        query, params = _owned("SELECT data FROM files WHERE id = ?", [file_id], owner)
         with self._lock:
-            row = self._db.execute("SELECT data FROM files WHERE id = ?", (file_id,)).fetchone()
+            row = self._db.execute(query, params).fetchone()
         return None if row is None else dict(json.loads(row[0]))
 
     def file_content(self, file_id: str) -> bytes:
         return self.file_path(file_id).read_bytes()
 
-    def delete_file(self, file_id: str) -> bool:
+    def delete_file(self, file_id: str, owner: str | None = None) -> bool:
+        query, params = _owned("DELETE FROM files WHERE id = ?", [file_id], owner)
         with self._lock, self._db:
-            deleted = self._db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount
+            deleted = self._db.execute(query, params).rowcount
         if deleted:
             self.file_path(file_id).unlink(missing_ok=True)
         return bool(deleted)
 
     # Batches ----------------------------------------------------------------------------
 
-    def save_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+    def save_batch(self, batch: dict[str, Any], owner: str = "") -> dict[str, Any]:
+        """Insert (owned by ``owner``) or update; an update keeps the batch's owner."""
         with self._lock, self._db:
             self._db.execute(
-                "INSERT OR REPLACE INTO batches VALUES (?, ?, ?, ?)",
-                (batch["id"], batch["created_at"], batch["status"], json.dumps(batch)),
+                "INSERT INTO batches (id, created_at, status, data, owner) VALUES (?, ?, ?, ?, ?) "
+                "ON CONFLICT(id) DO UPDATE SET status = excluded.status, data = excluded.data",
+                (batch["id"], batch["created_at"], batch["status"], json.dumps(batch), owner),
             )
         return batch
 
-    def get_batch(self, batch_id: str) -> dict[str, Any] | None:
+    def get_batch(self, batch_id: str, owner: str | None = None) -> dict[str, Any] | None:
+        """The batch, if it exists and (``owner`` given) belongs to ``owner``."""
+        query, params = _owned("SELECT data FROM batches WHERE id = ?", [batch_id], owner)
         with self._lock:
-            row = self._db.execute("SELECT data FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            row = self._db.execute(query, params).fetchone()
         return None if row is None else dict(json.loads(row[0]))
+
+    def batch_owner(self, batch_id: str) -> str:
+        with self._lock:
+            row = self._db.execute("SELECT owner FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        return "" if row is None else str(row[0])
 
     def update_batch(self, batch_id: str, **fields: Any) -> dict[str, Any]:
         batch = self.get_batch(batch_id)
@@ -123,12 +144,16 @@ class BatchStore:
         batch.update(fields)
         return self.save_batch(batch)
 
-    def list_batches(self, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
-        """Newest first; ``after`` is the id of the last batch of the previous page."""
-        query, params = "SELECT data FROM batches", []
-        if after is not None and (cursor := self.get_batch(after)) is not None:
-            query += " WHERE (created_at, id) < (?, ?)"
+    def list_batches(
+        self, after: str | None, limit: int, owner: str | None = None
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """Newest first (``owner``'s only, when given); ``after`` is the id of the last batch
+        of the previous page."""
+        query, params = "SELECT data FROM batches WHERE 1", []
+        if after is not None and (cursor := self.get_batch(after, owner)) is not None:
+            query += " AND (created_at, id) < (?, ?)"
             params = [cursor["created_at"], cursor["id"]]
+        query, params = _owned(query, params, owner)
         query += " ORDER BY created_at DESC, id DESC LIMIT ?"
         with self._lock:
             rows = self._db.execute(query, [*params, limit + 1]).fetchall()
@@ -173,7 +198,15 @@ class BatchStore:
         path = self.partial_path(batch_id, kind)
         content = path.read_bytes() if path.exists() else b""
         file_id = None
-        if content:
-            file_id = self.create_file(content, f"{batch_id}_{kind}.jsonl", purpose)["id"]
+        if content:  # The batch's owner may download it; no other key may.
+            name, owner = f"{batch_id}_{kind}.jsonl", self.batch_owner(batch_id)
+            file_id = self.create_file(content, name, purpose, owner)["id"]
         path.unlink(missing_ok=True)
         return file_id
+
+
+def _owned(query: str, params: list[Any], owner: str | None) -> tuple[str, list[Any]]:
+    """``query`` narrowed to rows of ``owner``; None: any owner (the service's own lookups)."""
+    if owner is None:
+        return query, params
+    return f"{query} AND owner = ?", [*params, owner]

@@ -7,17 +7,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from serve_app.config.base import StrictModel
 from serve_app.config.engine import EngineConfig
 from serve_app.config.model import ModelConfig
-from serve_app.config.replicas import (
-    DEFAULT_REQUEST_TIMEOUT_S,
-    DRAIN_MARGIN_S,
-    PreprocessorConfig,
-    ReplicaConfig,
-)
+from serve_app.config.replicas import PreprocessorConfig, ReplicaConfig
 from serve_app.config.security import SecurityConfig
 
 
@@ -40,7 +35,7 @@ class AppConfig(StrictModel):
         default_factory=TracingConfig, description="OpenTelemetry traces across all hops."
     )
     request_timeout_s: float = Field(
-        DEFAULT_REQUEST_TIMEOUT_S,
+        600,
         gt=0,
         description="A request running longer gets 504 and its engine work aborted.",
     )
@@ -67,12 +62,3 @@ class AppConfig(StrictModel):
         default_factory=SecurityConfig,
         description="API keys, per-key rate limits, body/header size and request shape limits.",
     )
-
-    @model_validator(mode="after")
-    def _drains_cover_requests(self) -> AppConfig:
-        # A replica shut down (scale-in, upgrade, delete) lets its requests run to their own
-        # deadline, plus a moment for the 504 and the abort behind it.
-        for replicas in (self.engine, self.preprocessor, self.router):
-            if replicas.graceful_shutdown_timeout_s is None:
-                replicas.graceful_shutdown_timeout_s = self.request_timeout_s + DRAIN_MARGIN_S
-        return self

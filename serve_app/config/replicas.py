@@ -8,10 +8,6 @@ from pydantic import AliasChoices, Field, model_validator
 
 from serve_app.config.base import StrictModel
 
-# The app's default request_timeout_s; AppConfig sets an unset graceful shutdown to its own.
-DEFAULT_REQUEST_TIMEOUT_S = 600.0
-DRAIN_MARGIN_S = 10.0  # Past request_timeout_s: the 504 is sent and the engine work aborted.
-
 
 class ReplicaConfig(StrictModel):
     """Ray Serve replica settings shared by every deployment."""
@@ -37,11 +33,12 @@ class ReplicaConfig(StrictModel):
     retry_after_s: float = Field(
         1, ge=0, description="Retry-After (seconds) sent with backpressure rejections."
     )
-    graceful_shutdown_timeout_s: float | None = Field(
-        None,
+    graceful_shutdown_timeout_s: float = Field(
+        30,
         ge=0,
         description="On shutdown, scale-down or upgrade, in-flight requests and streams get "
-        "this long to finish; null: the app's request_timeout_s, the longest a request runs.",
+        "this long to finish. Set it to request_timeout_s + 10 for engine and router to let "
+        "every request run to its own deadline (serve_config.yaml does).",
     )
     num_cpus: float = Field(
         0.1, ge=0, description="CPUs reserved per replica; keep it fractional on small machines."
@@ -67,11 +64,7 @@ class ReplicaConfig(StrictModel):
                 "status_code": self.backpressure_status,
                 "retry_after_s": self.retry_after_s,
             },
-            "graceful_shutdown_timeout_s": (
-                self.graceful_shutdown_timeout_s
-                if self.graceful_shutdown_timeout_s is not None
-                else DEFAULT_REQUEST_TIMEOUT_S + DRAIN_MARGIN_S
-            ),
+            "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
             "ray_actor_options": {"num_cpus": self.num_cpus},
         }
         if self.resources:

@@ -20,6 +20,7 @@ from serve_app.errors import APIError, replica_lost
 logger = logging.getLogger("serve_app.ingress")
 # Before a resubmission: Serve's handle drops a dead replica when the failed call settles.
 RESUBMIT_BACKOFF_S = 0.5
+RESUBMIT_ASSIGN_S = 5.0  # A resubmission waits this long at most for a live replica.
 
 
 def timeout_error(timeout_s: float) -> APIError:
@@ -96,19 +97,21 @@ async def bounded_stream(
 
 
 async def resubmitted_once(
-    attempt: Callable[[], AsyncIterator[Any]],
+    attempt: Callable[[bool], AsyncIterator[Any]],
     on_resubmit: Callable[[], None] | None = None,
     backoff_s: float = RESUBMIT_BACKOFF_S,
 ) -> AsyncIterator[Any]:
-    """The items of ``attempt()``; if its engine went away before the first item (replica
+    """The items of ``attempt(False)``; if its engine went away before the first item (replica
     killed, node lost, engine core dead or hung: raised, or the engine's own error item), once
-    more from a fresh call, which Serve routes to a live replica: invisible to the client, who
-    has seen nothing yet. After the first item the error stands (part of an answer is out).
-    The engine request id stays the same, so both tries show as one request in traces."""
+    more from ``attempt(True)``, a fresh call Serve routes to a live replica: invisible to the
+    client, who has seen nothing yet. ``attempt(True)`` should wait only briefly for a replica
+    (``RESUBMIT_ASSIGN_S``): with none left, the client hears so at once, not after a full
+    assignment wait. After the first item the error stands (part of an answer is out). The
+    engine request id stays the same, so both tries show as one request in traces."""
     for tries_left in (1, 0):
         started = False
         lost: Any = None
-        items = attempt()
+        items = attempt(not tries_left)
         try:
             async for item in items:
                 if not started and tries_left and replica_lost(item):

@@ -19,7 +19,12 @@ from serve_app.config import AppConfig, RoutingConfig
 from serve_app.errors import BACKEND_UNAVAILABLE, APIError, ErrorInfo
 from serve_app.hops import EngineRequest, PreprocessRequest, PreprocessResult, SamplingSpec
 from serve_app.ingress import http_errors
-from serve_app.ingress.handles import bounded_stream, resubmitted_once, timeout_error
+from serve_app.ingress.handles import (
+    RESUBMIT_ASSIGN_S,
+    bounded_stream,
+    resubmitted_once,
+    timeout_error,
+)
 from serve_app.ingress.http_errors import error_response
 from serve_app.ingress.keepalive import KeepAliveStreamingResponse, answer_later
 from serve_app.ingress.middleware import SecurityMiddleware, configure
@@ -102,10 +107,11 @@ class Router:
 
     def _generate(self, request: EngineRequest) -> AsyncIterator[Any]:
         """One engine call, bounded; resubmitted once if its engine goes before a token."""
+        wait_s = self.config.engine_wait_timeout_s
         return resubmitted_once(
-            lambda: bounded_stream(
+            lambda again: bounded_stream(
                 lambda: self._engine.generate.remote(request),
-                assign_timeout_s=self.config.engine_wait_timeout_s,
+                assign_timeout_s=min(wait_s, RESUBMIT_ASSIGN_S) if again else wait_s,
                 timeout_s=self.config.request_timeout_s,
             ),
             on_resubmit=lambda: self.metrics.resubmissions.inc(

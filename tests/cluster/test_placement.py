@@ -53,7 +53,7 @@ def test_engine_placement_group_matches_config(gpu_cluster: None) -> None:
 
     from serve_app.app import engine_options
 
-    config = _production()
+    config = _production(num_replicas=1)  # One stand-in replica: no queue depth to scale on.
     assert config.engine.tensor_parallel_size == 4
     options = engine_options(config)
     assert options["placement_group_bundles"] == [{"CPU": 1, "GPU": 1}] + [{"GPU": 1}] * 3

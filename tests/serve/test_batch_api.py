@@ -164,17 +164,46 @@ def test_batch_end_to_end(bclient: OpenAI) -> None:
 @pytest.mark.parametrize(
     ("content", "match"),
     [
-        (b'{"custom_id": "a", "url": "/v1/chat/completions", "body": {}}\nnot json\n', "Line 2"),
-        (jsonl([chat_line("a", "x"), chat_line("a", "y")]), "duplicate custom_id"),
+        (b"not json\n", "line 1: not valid JSON"),
         (jsonl([chat_line("a", "x") | {"url": "/v1/embeddings"}]), "url must be"),
+        (b"\n\n", "no requests"),
     ],
 )
-def test_invalid_input_is_a_400(bclient: OpenAI, content: bytes, match: str) -> None:
+def test_input_with_no_line_that_can_run_is_a_400(
+    bclient: OpenAI, content: bytes, match: str
+) -> None:
     upload = bclient.files.create(file=("in.jsonl", content), purpose="batch")
     with pytest.raises(BadRequestError, match=match):
         bclient.batches.create(
             input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
+
+
+def test_bad_input_lines_are_error_lines_and_the_rest_run(bclient: OpenAI) -> None:
+    """Malformed JSON, a duplicate custom_id and a wrong url each become a line of the error
+    file (custom_id when known, the line number, a code); the good lines run."""
+    content = (
+        jsonl([chat_line("a", "Say one."), chat_line("a", "Say two.")])
+        + b"{broken\n"
+        + jsonl([chat_line("b", "Say three.") | {"url": "/v1/embeddings"}])
+        + jsonl([chat_line("c", "Say four.")])
+    )
+    upload = bclient.files.create(file=("in.jsonl", content), purpose="batch")
+    batch = bclient.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done = wait_done(bclient, batch.id)
+    assert done.status == "completed", done
+    assert done.request_counts is not None
+    counts = done.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (5, 2, 3)
+    assert set(by_custom_id(bclient, done.output_file_id)) == {"a", "c"}
+    assert done.error_file_id is not None
+    text = bclient.files.content(done.error_file_id).text
+    rejected = [json.loads(line) for line in text.split("\n") if line]
+    found = {(r["custom_id"], r["error"]["line"], r["error"]["code"]) for r in rejected}
+    assert found == {("a", 2, "duplicate_id"), (None, 3, "invalid_jsonl"), ("b", 4, "invalid_url")}
+    assert all(r["response"] is None and r["error"]["message"] for r in rejected)
 
 
 def test_completions_endpoint_list_and_cancel(bclient: OpenAI) -> None:

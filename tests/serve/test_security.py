@@ -142,6 +142,60 @@ def test_openai_client_right_key_works_on_every_route(secure_url: str) -> None:
         client.chat.completions.create(model=MODEL, messages=USER, temperature=9)
 
 
+def test_batch_api_files_and_batches_belong_to_their_key(secure_url: str) -> None:
+    """Another key gets 404 on a key's files and batches (read, content, cancel, delete) and
+    never lists them; the owner reads, lists and downloads its output (openai client). A line
+    beyond the request limits (max_tokens_cap 64) is an error line; the other line runs."""
+    import io
+    import json
+
+    owner, other = _client(secure_url, ADMIN), _client(secure_url, LIGHT)
+    lines = [
+        {
+            "custom_id": custom_id,
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": USER, "max_tokens": max_tokens},
+        }
+        for custom_id, max_tokens in (("only", 4), ("over-cap", 1000))
+    ]
+    upload = io.BytesIO(b"".join(json.dumps(line).encode() + b"\n" for line in lines))
+    file = owner.files.create(file=("in.jsonl", upload), purpose="batch")
+    batch = owner.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    for call in (
+        lambda: other.files.retrieve(file.id),
+        lambda: other.files.content(file.id),
+        lambda: other.batches.retrieve(batch.id),
+        lambda: other.batches.cancel(batch.id),
+        lambda: other.files.delete(file.id),
+        lambda: other.batches.create(
+            input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert batch.id not in [b.id for b in other.batches.list()]
+    assert batch.id in [b.id for b in owner.batches.list()]
+    deadline = time.monotonic() + 180
+    while (batch := owner.batches.retrieve(batch.id)).status != "completed":
+        assert batch.status in ("validating", "in_progress", "finalizing"), batch
+        assert time.monotonic() < deadline, batch
+        time.sleep(1)
+    assert batch.output_file_id is not None and batch.error_file_id is not None
+    assert batch.request_counts is not None and batch.request_counts.failed == 1
+    result = json.loads(owner.files.content(batch.output_file_id).text)
+    assert result["custom_id"] == "only" and result["response"]["status_code"] == 200
+    failed = json.loads(owner.files.content(batch.error_file_id).text)
+    assert failed["custom_id"] == "over-cap" and failed["response"]["status_code"] == 400
+    assert failed["response"]["body"]["error"]["param"] == "max_tokens"
+    for output in (batch.output_file_id, batch.error_file_id):
+        with pytest.raises(openai.NotFoundError):
+            other.files.content(output)
+    assert owner.files.retrieve(file.id).id == file.id  # The other key's delete did nothing.
+
+
 def test_rate_limit_holds_across_two_router_replicas(secure_url: str) -> None:
     import ray
     from ray import serve

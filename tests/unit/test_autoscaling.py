@@ -99,7 +99,7 @@ def test_backpressure_health_and_shutdown_options() -> None:
     options = engine.deployment_options()
     assert options["max_queued_requests"] == 8
     assert options["backpressure_config"] == {"status_code": 429, "retry_after_s": 1}
-    assert options["graceful_shutdown_timeout_s"] == 610  # request_timeout_s's default + 10
+    assert options["graceful_shutdown_timeout_s"] == 30
     assert options["health_check_period_s"] == 5
     with pytest.raises(ValidationError):
         EngineConfig(backpressure_status=500)

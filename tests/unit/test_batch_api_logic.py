@@ -13,25 +13,50 @@ def _line(custom_id: str, url: str = "/v1/chat/completions") -> str:
 
 
 def test_batch_input_validation_names_the_line() -> None:
-    from serve_app.batch_api.service import parse_input
+    from serve_app.batch_api.input import parse_input
     from serve_app.errors import APIError
 
     good = f"{_line('a')}\n\n{_line('b')}\n".encode()
-    assert [line["custom_id"] for line in parse_input(good, "/v1/chat/completions")] == ["a", "b"]
+    parsed = parse_input(good, "/v1/chat/completions")
+    assert [line["custom_id"] for line in parsed.lines] == ["a", "b"] and not parsed.rejected
     # A raw U+2028 inside a string is not a line end (str.splitlines would say it is); CRLF is.
     odd = json.dumps({"custom_id": "a\u2028b", "method": "POST", "url": "/v1/completions",
                       "body": {}}, ensure_ascii=False)  # fmt: skip
-    lines = parse_input(f"{odd}\r\n{_line('c', '/v1/completions')}".encode(), "/v1/completions")
-    assert [line["custom_id"] for line in lines] == ["a\u2028b", "c"]
-    cases = {
-        f"{_line('a')}\n{{oops\n": "Line 2 .* not valid JSON",
-        f"{_line('a')}\n{_line('a')}\n": "duplicate custom_id 'a'",
-        f"{_line('a', '/v1/embeddings')}\n": "url must be",
-        "": "no requests",
-    }
-    for content, match in cases.items():
-        with pytest.raises(APIError, match=match):
+    parsed = parse_input(f"{odd}\r\n{_line('c', '/v1/completions')}".encode(), "/v1/completions")
+    assert [line["custom_id"] for line in parsed.lines] == ["a\u2028b", "c"]
+    for content, match in {"": "no requests", "{oops\n": "line 1: not valid JSON"}.items():
+        with pytest.raises(APIError, match=match):  # Nothing can run: refused at create.
             parse_input(content.encode(), "/v1/chat/completions")
+
+
+def test_bad_lines_are_rejected_one_by_one_and_the_rest_run() -> None:
+    from serve_app.batch_api.input import parse_input
+
+    content = (
+        "\n".join(
+            [
+                _line("a"),
+                "{oops",
+                _line("a"),
+                _line("b", "/v1/embeddings"),
+                json.dumps({"custom_id": "", "url": "/v1/chat/completions", "body": {}}),
+                json.dumps({"custom_id": "c", "url": "/v1/chat/completions", "body": "x"}),
+                _line("d"),
+            ]
+        ).encode()
+        + b"\n\xff\xfe not text\n"
+    )
+    parsed = parse_input(content, "/v1/chat/completions")
+    assert [line["custom_id"] for line in parsed.lines] == ["a", "d"]
+    assert [(r["line"], r["custom_id"], r["code"]) for r in parsed.rejected] == [
+        (2, None, "invalid_jsonl"),
+        (3, "a", "duplicate_id"),
+        (4, "b", "invalid_url"),
+        (5, None, "invalid_line"),
+        (6, "c", "invalid_line"),
+        (8, None, "invalid_jsonl"),
+    ]
+    assert parsed.total == 8
 
 
 def test_batch_store_files_pagination_and_partials(tmp_path: Path) -> None:
@@ -70,3 +95,46 @@ def test_batches_made_in_one_second_list_newest_first(tmp_path: Path) -> None:
     assert [b["id"] for b in page] == made[::-1][:3] and more
     page, _ = store.list_batches(page[-1]["id"], 100)
     assert [b["id"] for b in page] == made[::-1][3:]
+
+
+def test_files_and_batches_belong_to_their_key(tmp_path: Path) -> None:
+    """Another key's lookups find nothing (the routes answer 404), its lists skip them, its
+    deletes delete nothing; a batch's output file belongs to the batch's key."""
+    from serve_app.batch_api.store import BatchStore
+
+    store = BatchStore(tmp_path)
+    mine = store.create_file(b"x", "in.jsonl", "batch", owner="alice")
+    assert store.get_file(mine["id"], "alice") == mine
+    assert store.get_file(mine["id"], "bob") is None and store.get_file(mine["id"], "") is None
+    assert not store.delete_file(mine["id"], "bob") and store.get_file(mine["id"]) is not None
+    for i, owner in enumerate(["alice", "bob", "alice", "bob"]):
+        store.save_batch(
+            {"id": f"batch-{i}", "created_at": 100 + i, "status": "in_progress"}, owner
+        )
+    store.update_batch("batch-2", status="completed")  # An update keeps the owner.
+    assert store.get_batch("batch-2", "bob") is None and store.get_batch("batch-2", "alice")
+    assert [b["id"] for b in store.list_batches(None, 10, "alice")[0]] == ["batch-2", "batch-0"]
+    assert [b["id"] for b in store.list_batches(None, 10, "bob")[0]] == ["batch-3", "batch-1"]
+    assert [b["id"] for b in store.list_batches("batch-3", 10, "bob")[0]] == ["batch-1"]
+    assert len(store.list_batches(None, 10)[0]) == 4  # The service's own view: every batch.
+    store.append_partial("batch-2", "output", {"custom_id": "a"})
+    out = store.finish_partial("batch-2", "output", "batch_output")
+    assert out is not None and store.get_file(out, "alice") and store.get_file(out, "bob") is None
+
+
+def test_a_store_from_before_owners_opens_as_one_tenant(tmp_path: Path) -> None:
+    import sqlite3
+
+    from serve_app.batch_api.store import BatchStore
+
+    db = sqlite3.connect(tmp_path / "batches.sqlite3")
+    with db:
+        db.execute("CREATE TABLE files (id TEXT PRIMARY KEY, created_at INTEGER, data TEXT)")
+        db.execute(
+            "CREATE TABLE batches (id TEXT PRIMARY KEY, created_at INTEGER, status TEXT, data TEXT)"
+        )
+        db.execute("INSERT INTO files VALUES ('file-1', 1, ?)", (json.dumps({"id": "file-1"}),))
+    db.close()
+    store = BatchStore(tmp_path)
+    assert store.get_file("file-1", "") == {"id": "file-1"}
+    assert store.get_file("file-1", "alice") is None

@@ -139,15 +139,3 @@ def test_engine_args_resolve_auto_dtype_for_this_host() -> None:
     config = AppConfig.model_validate({"engine": {"device": "cpu"}})
     assert engine_args(config, "/m")["dtype"] == resolved_dtype("auto", "cpu", host_cpu_flags())
     assert host_cpu_flags()  # Linux CI: /proc/cpuinfo names the flags.
-
-
-def test_drains_default_to_the_request_timeout() -> None:
-    """Shutdown and scale-down let a request run to its own deadline; an explicit value stands."""
-    config = AppConfig.model_validate(
-        {"request_timeout_s": 120, "router": {"graceful_shutdown_timeout_s": 5}}
-    )
-    assert config.engine.deployment_options()["graceful_shutdown_timeout_s"] == 130
-    assert config.preprocessor.deployment_options()["graceful_shutdown_timeout_s"] == 130
-    assert config.router.deployment_options()["graceful_shutdown_timeout_s"] == 5
-    again = AppConfig.model_validate(config.model_dump())  # As each replica reads it.
-    assert again.engine.graceful_shutdown_timeout_s == 130

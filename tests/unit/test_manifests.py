@@ -93,13 +93,15 @@ def test_serve_config_v2_is_serve_config_yaml(
 def test_drains_cover_the_request_timeout(
     rayservice: dict[str, Any], cluster_spec: dict[str, Any], app_config: AppConfig
 ) -> None:
-    """Scale-in, upgrade and delete let every request run to its own deadline: replicas drain
-    that long, GPU pods (every replica runs there) and the old cluster after an upgrade stay."""
+    """Scale-in, upgrade and delete let every request run to its own deadline: engine and
+    router replicas drain that long, GPU pods (every replica runs there) and the old cluster
+    after an upgrade stay as long."""
     drain = max(
         app_config.engine.deployment_options()["graceful_shutdown_timeout_s"],
         app_config.router.deployment_options()["graceful_shutdown_timeout_s"],
     )
-    assert drain >= app_config.request_timeout_s
+    assert app_config.engine.graceful_shutdown_timeout_s >= app_config.request_timeout_s
+    assert app_config.router.graceful_shutdown_timeout_s >= app_config.request_timeout_s
     for group in gpu_groups(cluster_spec):
         assert group["template"]["spec"]["terminationGracePeriodSeconds"] >= drain
     assert rayservice["spec"]["rayClusterDeletionDelaySeconds"] >= drain
@@ -165,6 +167,29 @@ def test_gpu_pods_get_shared_memory_for_nccl(cluster_spec: dict[str, Any]) -> No
 
 def test_autoscaling_is_on(cluster_spec: dict[str, Any]) -> None:
     assert cluster_spec["enableInTreeAutoscaling"] is True
+
+
+def test_engines_autoscale_onto_the_gpu_pods_the_cluster_may_add(
+    cluster_spec: dict[str, Any], app_config: AppConfig
+) -> None:
+    """serve_config.yaml scales engine replicas 1..N on queue depth with Serve's delays kept;
+    the GPU worker groups offer exactly the pods those N replicas need."""
+    engine = app_config.engine
+    assert engine.num_replicas == "auto" and engine.autoscaling.policy == "queue_depth"
+    assert engine.autoscaling.downscale_delay_s >= 60 and engine.autoscaling.upscale_delay_s > 0
+    options = engine.deployment_options()["autoscaling_config"]
+    assert (options["min_replicas"], options["max_replicas"]) == (
+        engine.min_replicas,
+        engine.max_replicas,
+    )
+    per_pod = [gpus_per_pod(g) // engine.world_size for g in gpu_groups(cluster_spec)]
+    groups = gpu_groups(cluster_spec)
+    assert sum(n * g["maxReplicas"] for n, g in zip(per_pod, groups, strict=True)) == (
+        engine.max_replicas
+    )
+    assert sum(n * g["minReplicas"] for n, g in zip(per_pod, groups, strict=True)) >= (
+        engine.min_replicas
+    )
 
 
 def test_probes_point_at_health(cluster_spec: dict[str, Any], serve_config: dict[str, Any]) -> None:

@@ -46,8 +46,11 @@ def _attempts(
 ) -> Callable[[], AsyncIterator[object]]:
     """Each call plays the next plan: yield its items, then raise its error (if any)."""
     queue = list(plans)
+    retries: list[bool] = []
 
-    async def attempt() -> AsyncIterator[object]:
+    async def attempt(again: bool) -> AsyncIterator[object]:
+        retries.append(again)
+        assert again == (len(retries) == 2)  # Only the second call is the resubmission.
         items, error = queue.pop(0)
         for item in items:
             yield item
