@@ -13,10 +13,22 @@ import httpx
 from tests.serve.conftest import MODEL
 from tests.serve.test_scale_survive import SURVIVE, _deploy
 
-MAX_TOKENS = 96
+MAX_TOKENS = 200
+STREAMS = 16
+# SURVIVE's replicas, but room for every stream at once (its 4 + 4 slots would shed 8 of 16),
+# a request timeout longer than the drain, and drains that cover it (as serve_config.yaml does).
 DRAIN: dict[str, Any] = {
-    name: SURVIVE[name] | {"graceful_shutdown_timeout_s": 120}
-    for name in ("engine", "router", "preprocessor")
+    "engine": SURVIVE["engine"]
+    | {
+        "max_ongoing_requests": 32,
+        "max_queued_requests": 16,
+        "stall_timeout_s": 60,
+        "graceful_shutdown_timeout_s": 300,
+    },
+    "router": SURVIVE["router"] | {"graceful_shutdown_timeout_s": 300},
+    "preprocessor": SURVIVE["preprocessor"] | {"graceful_shutdown_timeout_s": 300},
+    "request_timeout_s": 300,
+    "engine_wait_timeout_s": 30,
 }
 
 
@@ -75,17 +87,18 @@ def test_delete_drains_in_flight_requests(base_url: str) -> None:
     deleted = threading.Event()
 
     async def run() -> tuple[list[Any], float]:
-        async with httpx.AsyncClient(timeout=300) as http:
-            events = [asyncio.Event() for _ in range(3)]
+        limits = httpx.Limits(max_connections=STREAMS + 4)
+        async with httpx.AsyncClient(timeout=400, limits=limits) as http:
+            events = [asyncio.Event() for _ in range(STREAMS)]
             tasks = [asyncio.create_task(_stream(http, url, i, e)) for i, e in enumerate(events)]
-            tasks.append(asyncio.create_task(_plain(http, url, 9)))
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 120)
+            tasks.append(asyncio.create_task(_plain(http, url, STREAMS)))
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 240)
             # Every stream is mid-generation: shut the app down under them.
             begun = time.monotonic()
-            deleter = threading.Thread(target=lambda: (_delete("drain", 180), deleted.set()))
+            deleter = threading.Thread(target=lambda: (_delete("drain", 300), deleted.set()))
             deleter.start()
             results = await asyncio.gather(*tasks)
-            await asyncio.to_thread(deleter.join, 240)
+            await asyncio.to_thread(deleter.join, 360)
             return results, time.monotonic() - begun
 
     results, drained_s = asyncio.run(run())
