@@ -1,6 +1,6 @@
 """Offline throughput on one corpus: our Ray Data job vs ``vllm.LLM.generate`` vs ``ray.data.llm``.
 
-Same model, same engine arguments (``serve_app.engine.vllm_engine.engine_args``), same prompts and
+Same model, same engine arguments (``serve_app.engine.engine_args.engine_args``), same prompts and
 per-row max_tokens, measured side by side in one run:
 ``python -m loadtest.batch_offline --rows 1000 --config serve_config.cpu.yaml --repeats 3``.
 
@@ -96,7 +96,7 @@ def run_ours(corpus: Path, config_path: str | None, batch_size: int, launched: f
 
 
 def _engine_env(config_path: str | None) -> tuple[Any, dict[str, Any]]:
-    from serve_app.engine.vllm_engine import engine_args
+    from serve_app.engine.engine_args import engine_args
     from serve_app.models import resolve_model
     from serve_app.offline.__main__ import app_config
 

@@ -1,7 +1,7 @@
 """The compared servers, each started and stopped by the harness on a loopback port.
 
 All four get the same vLLM engine arguments, derived once from one ``AppConfig`` by
-``serve_app.engine.vllm_engine.engine_args`` (what our engine replica passes to vLLM):
+``serve_app.engine.engine_args.engine_args`` (what our engine replica passes to vLLM):
 
 - ``ours``: ``python -m serve_app.launch <generated config> --port P`` (Router → Preprocessor →
   Engine on Ray Serve).
@@ -26,7 +26,7 @@ import httpx
 import yaml
 
 from serve_app.config import AppConfig
-from serve_app.engine.vllm_engine import engine_args
+from serve_app.engine.engine_args import engine_args
 
 MODEL = "smollm2-135m-instruct"
 TARGETS = ("ours", "vllm", "rayllm", "asyncllm")

@@ -12,6 +12,7 @@ from serve_app.config.cores import ThreadsBind
 from serve_app.config.fair_share import FairShareConfig
 from serve_app.config.replicas import ReplicaConfig
 from serve_app.config.routing import RoutingConfig
+from serve_app.config.vllm_args import check_vllm_args
 
 
 class EngineConfig(ReplicaConfig):
@@ -59,6 +60,12 @@ class EngineConfig(ReplicaConfig):
         "'auto' falls back per request but cannot be combined with compact_json.",
     )
     seed: int = Field(0, description="Engine seed.")
+    vllm_args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Any vLLM engine argument (EngineArgs field), passed through as is, e.g. "
+        "{quantization: awq, kv_cache_dtype: fp8}. Names are checked against the installed "
+        "vLLM; what a field of this config sets (tensor_parallel_size, ...) is set there.",
+    )
     env: dict[str, str] = Field(
         default_factory=dict, description="Extra environment variables for engine replicas."
     )
@@ -118,6 +125,11 @@ class EngineConfig(ReplicaConfig):
         if value is not None and value & (value - 1):
             raise ValueError(f"block_size {value} must be a power of two (e.g. 16 or 32)")
         return value
+
+    @field_validator("vllm_args")
+    @classmethod
+    def _check_vllm_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_vllm_args(value)
 
     @model_validator(mode="after")
     def _check_cpu_block_size(self) -> EngineConfig:

@@ -56,6 +56,10 @@ class EngineDeployment:
     def engine_args(self) -> dict[str, Any]:
         return self.engine.resolved_args
 
+    def resolved_engine_args(self, names: list[str]) -> dict[str, Any]:
+        """Read back from the running engine, e.g. what ``engine.vllm_args`` set."""
+        return self.engine.resolved_engine_args(names)
+
     async def check_health(self) -> None:
         """Serve's periodic probe: raises when vLLM's engine core is dead (replica replaced)."""
         await self.engine.check_health()

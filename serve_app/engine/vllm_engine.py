@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 from serve_app.config import AppConfig
 from serve_app.engine import cpu_pinning
 from serve_app.engine.background_gate import BackgroundGate
+from serve_app.engine.engine_args import engine_args, resolved_values, vllm_engine_args
 from serve_app.engine.fair_share import FairQueue, FairShareGate
 from serve_app.engine.watchdog import EngineWatchdog, StepHeartbeat
 from serve_app.errors import APIError
 from serve_app.hops import EngineChunk, EngineRequest, EngineStep, TokenLogprob, TopLogprob
-from serve_app.models.cpu_features import native_bf16
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -39,60 +39,6 @@ class Engine(Protocol):
     async def check_health(self) -> None: ...
 
     def shutdown(self) -> None: ...
-
-
-def engine_args(config: AppConfig, model_path: str) -> dict[str, Any]:
-    """vLLM engine arguments derived from the app config (logged at start for comparisons)."""
-    model, engine = config.model, config.engine
-    args: dict[str, Any] = {
-        "model": model_path,
-        "served_model_name": model.public_name,
-        "dtype": resolved_dtype(model.dtype, engine.resolved_device()),
-        "max_model_len": model.max_model_len,
-        "trust_remote_code": model.trust_remote_code,
-        "tensor_parallel_size": engine.tensor_parallel_size,
-        "pipeline_parallel_size": engine.pipeline_parallel_size,
-        "block_size": engine.block_size,
-        "enable_prefix_caching": engine.enable_prefix_caching,
-        "max_num_seqs": engine.max_num_seqs,
-        "max_num_batched_tokens": engine.max_num_batched_tokens,
-        "enforce_eager": engine.enforce_eager,
-        "seed": engine.seed,
-        # Priority scheduling lets interactive requests overtake background ones.
-        "scheduling_policy": "priority",
-        # The preprocessor's defaults are the only defaults (documented precedence).
-        "generation_config": "vllm",
-        # Small models can loop on whitespace inside JSON until max_tokens; compact JSON
-        # leaves them no whitespace to loop on.
-        "structured_outputs_config": {
-            "backend": engine.structured_output_backend,
-            "disable_any_whitespace": engine.compact_json,
-        },
-    }
-    if engine.resolved_device() == "gpu":
-        args["gpu_memory_utilization"] = engine.gpu_memory_utilization
-        if engine.world_size > 1:
-            args["distributed_executor_backend"] = "ray"
-    if model.rope_scaling:
-        args["hf_overrides"] = {"rope_scaling": model.rope_scaling}
-    return {key: value for key, value in args.items() if value is not None}
-
-
-def resolved_dtype(dtype: str, device: str, cpu_flags: set[str] | None = None) -> str:
-    """``auto`` on a CPU without native bf16 is float32: there vLLM's auto (the checkpoint's
-    bf16) runs emulated matmuls about 6x slower than fp32. An explicit dtype always stands."""
-    if dtype != "auto" or device != "cpu":
-        return dtype
-    return "float32" if native_bf16(cpu_flags) is False else dtype
-
-
-def vllm_engine_args(args: dict[str, Any], cls: type[Any], **extra: Any) -> Any:
-    """``cls`` (vLLM's ``EngineArgs`` or ``AsyncEngineArgs``) from ``engine_args`` output."""
-    from vllm.config import StructuredOutputsConfig
-
-    kwargs = dict(args) | extra
-    structured = StructuredOutputsConfig(**kwargs.pop("structured_outputs_config"))
-    return cls(**kwargs, structured_outputs_config=structured)
 
 
 def to_sampling_params(request: EngineRequest) -> SamplingParams:
@@ -282,6 +228,10 @@ class VLLMEngine:
         """Requests the engine still holds (running or waiting)."""
         held_back = self._background.waiting + (self._fair.waiting if self._fair else 0)
         return int(self._llm.output_processor.get_num_unfinished_requests()) + held_back
+
+    def resolved_engine_args(self, names: list[str]) -> dict[str, Any]:
+        """What the running engine resolved for these ``EngineArgs`` names."""
+        return resolved_values(self._llm.vllm_config, names)
 
     def kv_cache_tokens(self) -> int:
         """Tokens the KV cache holds (blocks x block size), as the engine core sized it."""

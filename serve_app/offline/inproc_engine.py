@@ -175,7 +175,7 @@ def _build(config: AppConfig, model_path: str) -> Any:
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from serve_app.engine.vllm_engine import engine_args, vllm_engine_args
+    from serve_app.engine.engine_args import engine_args, vllm_engine_args
 
     # No engine core spins on a core of its own here, so the model may use every core (Ray
     # starts actors with OMP_NUM_THREADS=1 when they ask for less than one CPU). Binding this

@@ -16,6 +16,7 @@ from tests.serve.wire import AsyncCheckedTransport, CheckedTransport
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m-instruct"
+APP = "llm"  # The application's name in serve_config.cpu.yaml.
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -39,8 +40,14 @@ def base_url() -> Iterator[str]:
     config = load_serve_config(ROOT / "serve_config.cpu.yaml")
     # A smaller KV cache than `make serve` keeps room for a second engine (tiny-qwen2); every
     # test runs with tracing on (in-memory spans), so tracing is exercised on every path.
+    # inject_faults: test_errors provokes one. vllm_args: an engine option passed through as
+    # is (vLLM's default max_logprobs is 20), read back by test_openai_api; text is unchanged.
     overrides = {
-        "engine": {"kv_cache_space_gib": 1, "inject_faults": True},  # test_errors provokes one.
+        "engine": {
+            "kv_cache_space_gib": 1,
+            "inject_faults": True,
+            "vllm_args": {"max_logprobs": 25},
+        },
         "tracing": {"exporter": "memory"},
     }
     try:

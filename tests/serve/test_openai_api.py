@@ -12,7 +12,7 @@ from openai import AsyncOpenAI, OpenAI
 from transformers import AutoTokenizer
 
 from serve_app.models import resolve_model
-from tests.serve.conftest import MODEL
+from tests.serve.conftest import APP, MODEL
 
 CAPITAL_PROMPTS = [
     "What is the capital of France? Answer in one word.",
@@ -39,6 +39,19 @@ def test_models_health_and_openapi(client: OpenAI, base_url: str) -> None:
     assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
     paths = httpx.get(f"{base_url}/openapi.json").json()["paths"]
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"} <= set(paths)
+
+
+def test_engine_options_reach_vllm(client: OpenAI) -> None:
+    """engine.vllm_args (conftest: max_logprobs 25, vLLM's default is 20) reaches the running
+    engine, read back from its resolved config; kv_cache_dtype (unset) is vLLM's own."""
+    from ray import serve
+
+    assert client.models.list().data  # The app is up.
+    handle = serve.get_deployment_handle("Engine", app_name=APP)
+    resolved = handle.resolved_engine_args.remote(["max_logprobs", "kv_cache_dtype"]).result(
+        timeout_s=60
+    )
+    assert resolved == {"max_logprobs": 25, "kv_cache_dtype": "auto"}
 
 
 def test_completion_text(client: OpenAI) -> None:

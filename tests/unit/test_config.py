@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from serve_app.config import AppConfig, EngineConfig, ReplicaConfig
-from serve_app.engine.vllm_engine import engine_args, resolved_dtype
+from serve_app.engine.engine_args import engine_args, resolved_dtype
 from serve_app.models.cpu_features import host_cpu_flags
 from serve_app.preprocess.preprocessor import derive_max_model_len
 
