@@ -114,6 +114,14 @@ class SecurityConfig(StrictModel):
         "e.g. {ops: -10, nightly: 100}. A client's lower value is raised to its key's floor; "
         "keys not listed have floor 0, so no client jumps ahead of the default by itself.",
     )
+    open_paths_per_second: float = Field(
+        50,
+        gt=0,
+        le=1_000_000,
+        description="Requests per second each router replica answers on the paths open without "
+        "a key (/health, /openapi.json, /docs); more get 429. Local to the replica, so probes "
+        "never wait on the shared limiter; readiness probes need a handful per minute.",
+    )
     max_body_bytes: int = Field(
         2 * 1024 * 1024,
         ge=1024,

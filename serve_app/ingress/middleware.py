@@ -8,21 +8,24 @@ replica process, and the middleware reads it per request.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import logging
 import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from serve_app.config.security import SecurityConfig
 from serve_app.errors import ErrorInfo
 from serve_app.ingress.keys import KeyRing, load_keys
-from serve_app.ingress.ratelimit import LimiterUnavailable, RateLimitBackend, RayRateLimiter
+from serve_app.ingress.ratelimit import (
+    LimiterUnavailable,
+    RateLimitBackend,
+    RayRateLimiter,
+    TokenBucket,
+)
+from serve_app.ingress.request_body import header, read_body, replay_body, send_error
 from serve_app.openai.charging import charge_of_body
 
 logger = logging.getLogger("serve_app.security")
@@ -37,6 +40,11 @@ class SecurityState:
     config: SecurityConfig
     keys: KeyRing
     limiter: RateLimitBackend | None = None
+    open_paths: TokenBucket | None = None  # /health and the docs: a local budget, no key.
+
+    def __post_init__(self) -> None:
+        if self.open_paths is None:
+            self.open_paths = TokenBucket(self.config.open_paths_per_second)
 
 
 _state: SecurityState | None = None
@@ -69,71 +77,10 @@ def route_path(scope: Scope) -> str:
     return path
 
 
-def _header(scope: Scope, name: bytes) -> bytes | None:
-    return next((value for key, value in scope["headers"] if key.lower() == name), None)
-
-
 def _bearer(scope: Scope) -> bytes | None:
-    value = _header(scope, b"authorization") or b""
+    value = header(scope, b"authorization") or b""
     scheme, _, token = value.strip().partition(b" ")
     return token.strip() if scheme.lower() == b"bearer" and token.strip() else None
-
-
-async def _send_error(
-    send: Send, info: ErrorInfo, headers: list[tuple[bytes, bytes]] | None = None
-) -> None:
-    body = json.dumps(info.body()).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": info.status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                *(headers or []),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
-
-
-# Before a 413 the rest of the body is read and dropped, within bounds: a server that closes
-# its socket with request bytes unread makes the kernel send a reset, which can destroy the 413
-# before the client reads it (the client sees "peer closed connection" instead of the error).
-DRAIN_MAX_BYTES = 64 * 1024 * 1024
-DRAIN_MAX_S = 10.0
-
-
-async def _drain(receive: Receive) -> None:
-    """Read and drop what is left of the request body, up to DRAIN_MAX_BYTES or DRAIN_MAX_S."""
-    drained = 0
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(DRAIN_MAX_S):
-            while drained <= DRAIN_MAX_BYTES:
-                message = await receive()
-                if message["type"] != "http.request":
-                    return
-                drained += len(message.get("body", b""))
-                if not message.get("more_body", False):
-                    return
-
-
-async def _reject_declared_too_large(
-    scope: Scope, receive: Receive, send: Send, limit: int, declared: int
-) -> None:
-    """Answer 413; drain the body first unless it is huge or not sent yet (100-continue)."""
-    waits_for_continue = (_header(scope, b"expect") or b"").lower() == b"100-continue"
-    if not waits_for_continue and declared <= DRAIN_MAX_BYTES:
-        await _drain(receive)
-    await _send_error(send, _too_large(limit), [(b"connection", b"close")])
-
-
-def _too_large(limit: int) -> ErrorInfo:
-    return ErrorInfo(
-        f"Request body too large: the limit is {limit} bytes.",
-        status=413,
-        code="request_too_large",
-    )
 
 
 class SecurityMiddleware:
@@ -148,28 +95,30 @@ class SecurityMiddleware:
         state = self._state or _state
         if state is None:  # Serve routes traffic only after __init__; never expected.
             info = ErrorInfo("Server starting.", status=503, type="server_error", code="starting")
-            await _send_error(send, info)
+            await send_error(send, info)
             return
         error, name = self._admit(scope, state)
+        if error is None and route_path(scope) in OPEN_PATHS:
+            error = _open_path_budget(state)
         if error is not None:
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1008})
             else:
-                extra = [(b"www-authenticate", b"Bearer")] if error.status == 401 else []
-                await _send_error(send, error, extra)
+                extra = {401: [(b"www-authenticate", b"Bearer")], 429: [(b"retry-after", b"1")]}
+                await send_error(send, error, extra.get(error.status, []))
             return
         if scope["type"] == "websocket":
             await self.app(scope, receive, send)
             return
         if name is not None:
             scope.setdefault("state", {})["api_key_name"] = name
-        body = await self._read_body(scope, receive, send, state.config.max_body_bytes)
+        body = await read_body(scope, receive, send, state.config.max_body_bytes)
         if body is None:
             return
         limited = state.limiter is not None and route_path(scope) not in OPEN_PATHS
         if limited and not await self._charge(scope, send, state, name or "anonymous", body):
             return
-        await self.app(scope, _replay(body, receive), send)
+        await self.app(scope, replay_body(body, receive), send)
 
     @staticmethod
     def _admit(scope: Scope, state: SecurityState) -> tuple[ErrorInfo | None, str | None]:
@@ -196,30 +145,6 @@ class SecurityMiddleware:
         return None, name
 
     @staticmethod
-    async def _read_body(scope: Scope, receive: Receive, send: Send, limit: int) -> bytes | None:
-        """The whole body, or None after a 413 (or a client that went away)."""
-        declared = _header_int(_header(scope, b"content-length"))
-        if declared is not None and declared > limit:
-            await _reject_declared_too_large(scope, receive, send, limit, declared)
-            return None
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:  # Chunked uploads have no Content-Length: count as they come.
-                if message.get("more_body", False):
-                    await _drain(receive)
-                await _send_error(send, _too_large(limit), [(b"connection", b"close")])
-                return None
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
-
-    @staticmethod
     async def _charge(
         scope: Scope, send: Send, state: SecurityState, name: str, body: bytes
     ) -> bool:
@@ -239,7 +164,7 @@ class SecurityMiddleware:
                 type="server_error",
                 code="rate_limiter_unavailable",
             )
-            await _send_error(send, info)
+            await send_error(send, info)
             return False
         if decision.allowed:
             return True
@@ -249,7 +174,7 @@ class SecurityMiddleware:
                 f"Request too large for key `{name}`: it needs {tokens} tokens, more than its "
                 f"{limit.tokens_per_minute} tokens per minute; lower max_tokens or the prompt."
             )
-            await _send_error(send, _rate_error(message, "tokens"))
+            await send_error(send, _rate_error(message, "tokens"))
             return False
         retry = max(1, math.ceil(decision.retry_after_s))
         per_minute = (
@@ -260,33 +185,22 @@ class SecurityMiddleware:
         message = (
             f"Rate limit reached for key `{name}`: {per_minute} per minute. Retry in {retry} s."
         )
-        await _send_error(
+        await send_error(
             send, _rate_error(message, decision.reason), [(b"retry-after", str(retry).encode())]
         )
         return False
 
 
+def _open_path_budget(state: SecurityState) -> ErrorInfo | None:
+    assert state.open_paths is not None
+    wait = state.open_paths.take()
+    if not wait:
+        return None
+    rate = state.config.open_paths_per_second
+    message = f"Rate limit reached: {rate:g} requests per second on this path. Retry in 1 s."
+    return _rate_error(message, "requests")
+
+
 def _rate_error(message: str, kind: str) -> ErrorInfo:
     # OpenAI's 429 body names what ran out as its type ("requests" or "tokens").
     return ErrorInfo(message, status=429, type=kind, code="rate_limit_exceeded")
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """Hand the buffered body to the app once, then the real channel (disconnect events)."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
-
-
-def _header_int(value: bytes | None) -> int | None:
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
-        return None

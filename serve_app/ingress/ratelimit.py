@@ -67,6 +67,28 @@ class SlidingWindowLimiter:
         return Decision(True)
 
 
+class TokenBucket:
+    """A local per-second budget with one second of burst: for paths that must not depend on
+    the shared limiter (a readiness probe that failed closed would take a pod out of service)."""
+
+    def __init__(self, per_second: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._rate = per_second
+        self._capacity = max(1.0, per_second)
+        self._tokens = self._capacity
+        self._clock = clock
+        self._at = clock()
+
+    def take(self) -> float:
+        """0 when admitted, else the seconds until a request would be."""
+        now = self._clock()
+        self._tokens = min(self._capacity, self._tokens + (now - self._at) * self._rate)
+        self._at = now
+        if self._tokens >= 1:
+            self._tokens -= 1
+            return 0.0
+        return (1 - self._tokens) / self._rate
+
+
 class RateLimitBackend(Protocol):
     async def acquire(self, key: str, tokens: int, limit: KeyRateLimit) -> Decision: ...
 

@@ -49,6 +49,8 @@ def base_url() -> Iterator[str]:
             "vllm_args": {"max_logprobs": 25},
         },
         "tracing": {"exporter": "memory"},
+        # Probes poll at most twice a second; test_hostile_input floods /health past it.
+        "security": {"open_paths_per_second": 5},
     }
     try:
         urls = start(config, port=_free_port(), overrides=overrides)

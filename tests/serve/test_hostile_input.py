@@ -399,6 +399,26 @@ def test_100k_unknown_fields_are_served_and_memory_stays_flat(base_url: str) -> 
     assert router_rss() - before < 40 * MiB
 
 
+def test_health_flood_is_rate_limited_and_probes_recover(base_url: str) -> None:
+    """/health needs no key, so a flood of it gets the open paths' budget per router replica
+    (conftest: 5 per second): 429s with Retry-After, no 5xx, and a probe a moment later is 200."""
+    import asyncio
+    import time
+
+    async def flood() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            return list(await asyncio.gather(*(http.get(f"{base_url}/health") for _ in range(200))))
+
+    responses = asyncio.run(flood())
+    statuses = [r.status_code for r in responses]
+    assert set(statuses) == {200, 429}, sorted(set(statuses))
+    limited = next(r for r in responses if r.status_code == 429)
+    assert limited.headers["retry-after"] == "1"
+    assert limited.json()["error"]["code"] == "rate_limit_exceeded"
+    time.sleep(1.5)  # A second's worth of budget is back on every router replica.
+    assert httpx.get(f"{base_url}/health", timeout=30).status_code == 200
+
+
 def test_giant_multi_prompt_request_is_served_in_full(base_url: str) -> None:
     """512 prompts in one request (the limit is 1,024): 512 engine requests, every one answered.
     Meanwhile the engine holds its most ongoing requests (512), and readiness stays 200: it is

@@ -23,19 +23,16 @@ from serve_app.config.security import KeyRateLimit, RequestLimits, SecurityConfi
 from serve_app.errors import APIError
 from serve_app.ingress import keys
 from serve_app.ingress.keys import load_keys, parse_keys
-from serve_app.ingress.middleware import (
-    DRAIN_MAX_BYTES,
-    SecurityMiddleware,
-    SecurityState,
-    route_path,
-)
+from serve_app.ingress.middleware import SecurityMiddleware, SecurityState, route_path
 from serve_app.ingress.ratelimit import (
     Decision,
     LimiterUnavailable,
     LocalRateLimiter,
     RayRateLimiter,
     SlidingWindowLimiter,
+    TokenBucket,
 )
+from serve_app.ingress.request_body import DRAIN_MAX_BYTES
 from serve_app.openai.limits import check_limits
 from serve_app.openai.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -165,9 +162,14 @@ async def _ok(_: Request) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-def _client(config: SecurityConfig, environ: dict[str, str] | None = None) -> httpx.AsyncClient:
+def _client(
+    config: SecurityConfig,
+    environ: dict[str, str] | None = None,
+    open_paths: TokenBucket | None = None,
+) -> httpx.AsyncClient:
     limiter = LocalRateLimiter() if config.rate_limited else None
-    state = SecurityState(config, load_keys(config, ENV if environ is None else environ), limiter)
+    keys = load_keys(config, ENV if environ is None else environ)
+    state = SecurityState(config, keys, limiter, open_paths)
     routes = [
         Route("/health", _ok),
         Route("/openapi.json", _ok),
@@ -222,6 +224,30 @@ async def test_right_key_passes_and_open_paths_need_none() -> None:
         assert (await client.get("/v1/nope", headers=lower)).status_code == 404
         for path in ("/health", "/openapi.json"):
             assert (await client.get(path)).status_code == 200
+
+
+async def test_open_paths_have_a_local_budget() -> None:
+    """/health and the docs need no key, so they get a per-replica budget instead: a flood is
+    429 with Retry-After, never a call to the shared limiter (a probe must not fail with it)."""
+    stopped_clock = TokenBucket(5, clock=lambda: 0.0)
+    async with _client(SecurityConfig(open_paths_per_second=5), open_paths=stopped_clock) as client:
+        statuses = [(await client.get("/health")).status_code for _ in range(7)]
+        assert statuses == [200] * 5 + [429] * 2
+        response = await client.get("/openapi.json")
+        _assert_error(response, 429, "rate_limit_exceeded", "requests")
+        assert response.headers["retry-after"] == "1"
+        # Keyed routes are not charged to it.
+        assert (await client.get("/v1/models", headers=_auth(KEY_A))).status_code == 200
+
+
+def test_token_bucket_refills_at_its_rate() -> None:
+    now = [0.0]
+    bucket = TokenBucket(2, clock=lambda: now[0])
+    assert [bucket.take() for _ in range(3)] == [0.0, 0.0, 0.5]
+    now[0] = 0.5  # Half a second: one request's worth back.
+    assert bucket.take() == 0.0 and bucket.take() > 0
+    now[0] = 60.0  # Idle: the burst is capped at one second's worth.
+    assert [bucket.take() == 0.0 for _ in range(3)] == [True, True, False]
 
 
 async def test_no_keys_means_open() -> None:
