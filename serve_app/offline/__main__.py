@@ -88,9 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from serve_app.offline.input_files import InputError
     from serve_app.offline.runner import run_job
 
-    summary = run_job(job)
+    try:
+        summary = run_job(job)
+    except InputError as exc:  # Missing file, unknown format: say so, without a traceback.
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(summary.as_dict()) if args.summary_json else summary.text(), flush=True)
     return 130 if summary.interrupted else 0
 

@@ -7,6 +7,7 @@ one part file, so output appears as batches finish and a re-run resumes where it
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -15,10 +16,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from serve_app.offline.input_files import check_input, read_input
+from serve_app.offline.input_rows import is_bad_line
 from serve_app.offline.output import PartWriter
 from serve_app.offline.rows import JobConfig
 
 logger = logging.getLogger("serve_app.batch")
+NOTED_LINES = 20  # Bad input lines named on stderr; the rest are counted (all are in the output).
 
 
 @dataclass
@@ -57,20 +61,6 @@ class JobSummary:
             f"{self.wall_s:.1f} s ({self.rows_per_s:.1f} rows/s, "
             f"{self.output_tokens_per_s:.1f} output tok/s)"
         )
-
-
-def read_input(uri: str) -> Any:
-    """A Ray Dataset of the input: JSONL/JSON, CSV or Parquet by file extension."""
-    import ray.data
-
-    lower = uri.lower().rstrip("/")
-    if lower.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz")):
-        return ray.data.read_json(uri)
-    if lower.endswith((".csv", ".csv.gz")):
-        return ray.data.read_csv(uri)
-    if lower.endswith(".parquet") or "." not in lower.rsplit("/", 1)[-1]:
-        return ray.data.read_parquet(uri)
-    raise ValueError(f"{uri}: unknown input format (use .jsonl, .json, .csv or .parquet)")
 
 
 def drop_done(batch: pa.Table, id_column: str, done: list[str]) -> pa.Table:
@@ -112,6 +102,8 @@ def _init_ray(job: JobConfig) -> None:
 
 
 def run_job(job: JobConfig) -> JobSummary:
+    """Run (or resume) a job. A missing or unreadable input raises InputError before Ray starts."""
+    spec = check_input(job.input)
     import ray.data
 
     from serve_app.offline.worker import EngineWorker
@@ -122,7 +114,7 @@ def run_job(job: JobConfig) -> JobSummary:
     _init_ray(job)
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
-    ds = read_input(job.input)
+    ds = read_input(spec, job.id_column)
     done = sorted(writer.done_ids)
     todo = ds.map_batches(
         drop_done, batch_format="pyarrow", fn_kwargs={"id_column": job.id_column, "done": done}
@@ -141,6 +133,7 @@ def run_job(job: JobConfig) -> JobSummary:
         **actor_options(job),
     )
     bar = _progress(ds, writer.resumed, job.progress)
+    bad_lines = 0
     try:
         for batch in mapped.iter_batches(batch_size=None, batch_format="pyarrow"):
             written = writer.write(batch.to_pylist())
@@ -149,6 +142,10 @@ def run_job(job: JobConfig) -> JobSummary:
                     summary.rows_ok += 1
                 else:
                     summary.rows_failed += 1
+                if is_bad_line(row["error"]):
+                    bad_lines += 1
+                    if bad_lines <= NOTED_LINES:
+                        _note(bar, row["error"])
                 summary.prompt_tokens += row["prompt_tokens"] or 0
                 summary.completion_tokens += row["completion_tokens"] or 0
             if bar is not None:
@@ -161,10 +158,24 @@ def run_job(job: JobConfig) -> JobSummary:
     except KeyboardInterrupt:
         summary.interrupted = True
     finally:
+        if bad_lines > NOTED_LINES:
+            _note(
+                bar,
+                f"{bad_lines - NOTED_LINES} more bad input lines: see the output's error column",
+            )
         if bar is not None:
             bar.close()
         summary.wall_s = time.perf_counter() - started
     return summary
+
+
+def _note(bar: Any, text: str) -> None:
+    """One line on stderr, above the progress bar when there is one."""
+    text = text if len(text) <= 300 else text[:297] + "..."
+    if bar is not None:
+        bar.write(text, file=sys.stderr)
+    else:
+        print(text, file=sys.stderr, flush=True)
 
 
 def _progress(ds: Any, resumed: int, enabled: bool) -> Any:

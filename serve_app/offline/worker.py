@@ -20,6 +20,7 @@ import pyarrow as pa
 from serve_app.engine.vllm_engine import Engine
 from serve_app.errors import APIError
 from serve_app.hops import EngineRequest, PreprocessRequest, PreprocessResult
+from serve_app.offline.input_files import PROBLEM_COLUMN, decode_rows
 from serve_app.offline.output import OUTPUT_SCHEMA
 from serve_app.offline.rows import JobConfig, RowError, build_request, error_row, row_id
 
@@ -49,7 +50,7 @@ class EngineWorker:
             self.engine = VLLMEngine(job.app_config, path, offline=True)
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
-        rows = batch.to_pylist()
+        rows = decode_rows(batch, self.job.id_column)
         # The engine lives on its own loop (built with it); Ray Data's loop only waits here.
         done = asyncio.run_coroutine_threadsafe(self.process(rows), self.loop)
         results = await asyncio.wrap_future(done)
@@ -61,6 +62,9 @@ class EngineWorker:
         requests: list[tuple[int, str, PreprocessRequest]] = []
         for i, row in enumerate(rows):
             rid = row_id(row, self.job.id_column)
+            if (problem := row.get(PROBLEM_COLUMN)) is not None:  # A bad line of the input.
+                out[i] = error_row(rid, problem)
+                continue
             if rid is None:
                 out[i] = error_row(None, f"missing id column {self.job.id_column!r}")
                 continue

@@ -83,6 +83,42 @@ def test_bad_rows_land_in_the_error_column(
     assert all(row["output"] is None for row in rows if row["error"] is not None)
 
 
+def test_bad_input_lines_are_error_rows_and_the_rest_run(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A malformed line and a non-UTF-8 line: two error rows with their line numbers."""
+    import ray
+
+    good = corpus_rows(6)
+    lines = [json.dumps(row).encode() for row in good]
+    lines[3:3] = [b"{broken"]  # line 4
+    lines.append(b'{"id": "latin-1", "prompt": "caf\xe9"}')  # line 8: not UTF-8
+    corpus = tmp_path / "bad-lines.jsonl"
+    corpus.write_bytes(b"\n".join(lines) + b"\n")
+    config = app_config(CONFIG)
+    config.engine.kv_cache_space_gib = 1
+    job = JobConfig(
+        input=str(corpus), output=str(tmp_path / "out"), temperature=0.0, max_tokens=4,
+        batch_size=8, app_config=config, progress=False,
+    )  # fmt: skip
+    started_ray = not ray.is_initialized()
+    try:
+        summary = run_job(job)
+    finally:
+        if started_ray:
+            ray.shutdown()
+    rows = {row["id"]: row for row in read_rows(str(tmp_path / "out"))}
+    assert set(rows) == {row["id"] for row in good} | {"line:4", "line:8"}
+    assert (summary.rows_ok, summary.rows_failed, summary.interrupted) == (6, 2, False)
+    assert all(rows[row["id"]]["output"] and not rows[row["id"]]["error"] for row in good)
+    assert rows["line:4"]["error"].startswith("input line 4 of bad-lines.jsonl: not valid JSON")
+    assert rows["line:8"]["error"].startswith("input line 8 of bad-lines.jsonl: not UTF-8 text")
+    assert rows["line:4"]["output"] is None and rows["line:8"]["output"] is None
+    # One note per bad line on stderr, as the rows are written.
+    err = capfd.readouterr().err  # capfd: Ray sees real file descriptors, as in the others
+    assert "input line 4 of bad-lines.jsonl" in err and "input line 8 of bad-lines.jsonl" in err
+
+
 def _cli(corpus: Path, out: Path, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "serve_app.offline", "run", "--input", str(corpus),
