@@ -1,4 +1,5 @@
-"""The one place the graph is wired: Router(Preprocessor, Engine), with options from config."""
+"""The one place the graph is wired: Router({model: (Preprocessor, Engine)}), with options from
+config."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 from ray.serve import Application
 
 from serve_app.config import AppConfig
+from serve_app.config.app import deployment_suffix
 from serve_app.engine.deployment import EngineDeployment
 from serve_app.engine.routing.options import request_router_config
 from serve_app.ingress.router import Router
@@ -107,14 +109,28 @@ def check_placement(config: AppConfig, nodes: list[dict[str, Any]] | None = None
 
 
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
-    """Build the Serve application from a Serve config's ``args`` (validated as AppConfig)."""
+    """Build the Serve application from a Serve config's ``args`` (validated as AppConfig):
+    a router over one preprocessor and one engine deployment per served model."""
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
-    check_model(config)
-    check_placement(config)
-    plain = config.model_dump(mode="json")
-    preprocessor = PreprocessorDeployment.options(  # type: ignore[attr-defined]
-        **_with_env(config.preprocessor.deployment_options(), {})
-    ).bind(plain)
-    engine = EngineDeployment.options(**engine_options(config)).bind(plain)  # type: ignore[attr-defined]
+    singles = config.per_model()
+    backends: dict[str, dict[str, Application]] = {}
+    for single in singles:
+        where = f"models[{singles.index(single)}]: " if config.models else ""
+        try:
+            check_model(single)
+            check_placement(single)
+        except ValueError as exc:
+            raise ValueError(f"{where}{exc}") from exc
+        # One model keeps the plain names that dashboards and alerts already use.
+        suffix = f"-{deployment_suffix(single.model.public_name)}" if config.models else ""
+        plain = single.as_args()
+        preprocessor = PreprocessorDeployment.options(  # type: ignore[attr-defined]
+            name=f"Preprocessor{suffix}",
+            **_with_env(single.preprocessor.deployment_options(), {}),
+        ).bind(plain)
+        engine = EngineDeployment.options(  # type: ignore[attr-defined]
+            name=f"Engine{suffix}", **engine_options(single)
+        ).bind(plain)
+        backends[single.model.public_name] = {"preprocessor": preprocessor, "engine": engine}
     router = Router.options(**_with_env(config.router.deployment_options(), {}))  # type: ignore[attr-defined]
-    return router.bind(preprocessor, engine, plain)
+    return router.bind(backends, config.as_args())

@@ -4,7 +4,7 @@ Batches run inside the router replica as background tasks through the same ``Ope
 as the HTTP routes, at a low vLLM priority (a larger number: interactive traffic goes first).
 Batches left active by a previous router are resumed from their partial output on start.
 Wiring: ``app.include_router(batch_api.router)`` before ``@serve.ingress`` and
-``batch_api.attach(self.serving, self.config)`` in the router's ``__init__``.
+``batch_api.attach(serving_for, self.config)`` in the router's ``__init__``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from serve_app.config import AppConfig
 from serve_app.errors import APIError
 from serve_app.ingress.tenancy import tenant_of
 from serve_app.openai.protocol import ErrorResponse
-from serve_app.openai.serving import OpenAIServing
+from serve_app.openai.serving import OpenAIServing, ServingFor
 
 __all__ = ["ENDPOINTS", "BatchService", "attach", "parse_input", "router", "service"]
 
@@ -52,7 +52,9 @@ def not_found(kind: str, object_id: str) -> APIError:
 _service: BatchService | None = None
 
 
-def attach(serving: OpenAIServing, config: AppConfig, root: Path | None = None) -> BatchService:
+def attach(
+    serving: OpenAIServing | ServingFor, config: AppConfig, root: Path | None = None
+) -> BatchService:
     """Called by the router replica: open the store and resume batches left active."""
     global _service
     _service = BatchService(serving, config, BatchStore(root))

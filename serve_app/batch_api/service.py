@@ -22,7 +22,7 @@ from serve_app.errors import APIError, ErrorInfo, backend_error
 from serve_app.openai import chat, completions
 from serve_app.openai.limits import check_limits
 from serve_app.openai.protocol import ChatCompletionRequest, CompletionRequest
-from serve_app.openai.serving import OpenAIServing, RequestStats
+from serve_app.openai.serving import OpenAIServing, RequestStats, ServingFor
 
 logger = logging.getLogger("serve_app.batch_api")
 
@@ -35,14 +35,18 @@ class BatchService:
 
     def __init__(
         self,
-        serving: OpenAIServing,
+        serving: OpenAIServing | ServingFor,
         config: AppConfig,
         store: BatchStore,
         *,
         priority: int = BATCH_PRIORITY,
         max_in_flight: int = 32,
     ) -> None:
-        self.serving, self.config, self.store = serving, config, store
+        # Lines name their model: one serving core, or a multi-model app's directory.
+        self.serving_for: ServingFor = (
+            serving.for_model if isinstance(serving, OpenAIServing) else serving
+        )
+        self.config, self.store = config, store
         self.priority, self.max_in_flight = priority, max_in_flight
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._cancelling: set[str] = set()
@@ -153,20 +157,21 @@ class BatchService:
     async def _call(
         self, endpoint: str, body: dict[str, Any], owner: str = ""
     ) -> tuple[int, dict[str, Any]]:
-        stats = RequestStats(route=endpoint, model=self.serving.model_name)
+        stats = RequestStats(route=endpoint, model=str(body.get("model")))
         stats.tenant = owner
         try:
             work: Any
+            serving = self.serving_for(str(body.get("model")))
             if endpoint == "/v1/chat/completions":
                 chat_request = ChatCompletionRequest.model_validate(body | {"stream": False})
                 check_limits(chat_request, self.config.security.limits)
                 self._in_background(chat_request)
-                work = chat.chat_completion(self.serving, chat_request, stats)
+                work = chat.chat_completion(serving, chat_request, stats)
             else:
                 request = CompletionRequest.model_validate(body | {"stream": False})
                 check_limits(request, self.config.security.limits)
                 self._in_background(request)
-                work = completions.completion(self.serving, request, stats)
+                work = completions.completion(serving, request, stats)
             result = await asyncio.wait_for(work, self.config.request_timeout_s)
             return 200, result.model_dump(mode="json")
         except ValidationError as exc:

@@ -5,9 +5,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, Field, model_validator
 
 from serve_app.config.base import StrictModel
 from serve_app.config.engine import EngineConfig
@@ -24,10 +25,53 @@ class TracingConfig(StrictModel):
     )
 
 
+class ModelEntry(StrictModel):
+    """One model of a multi-model app: its checkpoint and its own engine and preprocessor."""
+
+    model: ModelConfig = Field(description="The checkpoint, its served name and defaults.")
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig,
+        description="This model's engine deployment: the app-level `engine` block, overridden "
+        "key by key by this one.",
+    )
+    preprocessor: PreprocessorConfig = Field(
+        default_factory=PreprocessorConfig,
+        description="This model's tokenizer deployment: the app-level `preprocessor` block, "
+        "overridden key by key by this one.",
+    )
+
+
+def deployment_suffix(public_name: str) -> str:
+    """A served model's part of its deployments' names (Engine-<suffix>): Serve names are
+    ids in logs, metrics and the dashboard, so they stay readable."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", public_name).strip("-") or "model"
+
+
+def _inherited(shared: Any, own: Any) -> Any:
+    """An entry's engine/preprocessor block over the app-level one, key by key."""
+    if isinstance(shared, BaseModel):
+        shared = shared.model_dump(exclude_unset=True)
+    if isinstance(own, BaseModel):
+        own = own.model_dump(exclude_unset=True)
+    if not isinstance(shared, dict) or not isinstance(own, dict):
+        return own  # Not a mapping: the entry's own validation names the problem.
+    return shared | own
+
+
 class AppConfig(StrictModel):
     """Everything `build_app` needs; the `args` block of serve_config*.yaml."""
 
-    model: ModelConfig = Field(default_factory=ModelConfig)
+    model: ModelConfig = Field(
+        default_factory=ModelConfig, description="The model, when the app serves one."
+    )
+    models: list[ModelEntry] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Several models behind one router, which dispatches on the request's "
+        "`model`: each entry {model, engine, preprocessor} gets its own engine and "
+        "preprocessor deployments (Engine-<name>, Preprocessor-<name>). The app-level `engine` "
+        "and `preprocessor` blocks are every entry's defaults. Leave `model` unset.",
+    )
     engine: EngineConfig = Field(default_factory=EngineConfig)
     preprocessor: PreprocessorConfig = Field(default_factory=PreprocessorConfig)
     router: ReplicaConfig = Field(default_factory=ReplicaConfig)
@@ -62,3 +106,65 @@ class AppConfig(StrictModel):
         default_factory=SecurityConfig,
         description="API keys, per-key rate limits, body/header size and request shape limits.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _entries_inherit(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not data.get("models"):
+            return data
+        if data.get("model") is not None:
+            raise ValueError(
+                "set `model` (one model) or `models` (several), not both: move the `model` "
+                "block into a `models` entry"
+            )
+        if not isinstance(data["models"], list):
+            return data  # The field's own validation names the problem.
+        entries = []
+        for entry in data["models"]:
+            if isinstance(entry, dict):
+                entry = dict(entry)
+                for block in ("engine", "preprocessor"):
+                    if block in data:
+                        entry[block] = _inherited(data[block], entry.get(block) or {})
+            entries.append(entry)
+        return data | {"models": entries}
+
+    @model_validator(mode="after")
+    def _distinct_names(self) -> AppConfig:
+        names = [entry.model.public_name for entry in self.models]
+        suffixes = [deployment_suffix(name) for name in names]
+        for index, suffix in enumerate(suffixes):
+            if suffix in suffixes[:index]:
+                other = names[suffixes.index(suffix)]
+                raise ValueError(
+                    f"models[{index}]: {names[index]!r} and {other!r} share the name "
+                    f"{suffix!r} (served name, or its deployments' names); set a distinct "
+                    "model.served_model_name"
+                )
+        return self
+
+    def per_model(self) -> list[AppConfig]:
+        """One single-model config per served model: the app itself when it serves one. Each
+        is what that model's preprocessor and engine deployments run with."""
+        if not self.models:
+            return [self]
+        return [
+            self.model_copy(
+                update={
+                    "model": entry.model,
+                    "engine": entry.engine,
+                    "preprocessor": entry.preprocessor,
+                    "models": [],
+                }
+            )
+            for entry in self.models
+        ]
+
+    @property
+    def served_names(self) -> list[str]:
+        """The names clients put in `model`, in config order."""
+        return [config.model.public_name for config in self.per_model()]
+
+    def as_args(self) -> dict[str, Any]:
+        """This config as plain data that validates back to it (what replicas are given)."""
+        return self.model_dump(mode="json", exclude={"model"} if self.models else None)

@@ -17,18 +17,13 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.batch_api import routes as batch_routes
 from serve_app.config import AppConfig, RoutingConfig
 from serve_app.errors import BACKEND_UNAVAILABLE, APIError, ErrorInfo
-from serve_app.hops import EngineRequest, PreprocessRequest, PreprocessResult, SamplingSpec
+from serve_app.hops import PreprocessRequest, SamplingSpec
 from serve_app.ingress import http_errors
-from serve_app.ingress.handles import (
-    RESUBMIT_ASSIGN_S,
-    bounded_stream,
-    resubmitted_once,
-    timeout_error,
-)
+from serve_app.ingress.backends import ModelBackend, ModelBackends
+from serve_app.ingress.handles import timeout_error
 from serve_app.ingress.http_errors import error_response
 from serve_app.ingress.keepalive import KeepAliveStreamingResponse, answer_later
 from serve_app.ingress.middleware import SecurityMiddleware, configure
-from serve_app.ingress.readiness import Readiness, engine_running
 from serve_app.ingress.tenancy import allowed_priority, tenant_of
 from serve_app.observability import tracing
 from serve_app.observability.metrics import RouterMetrics
@@ -64,10 +59,6 @@ app.include_router(batch_routes.router)  # Before @serve.ingress copies the app.
 http_errors.install(app)
 
 
-# Above the class: Serve pickles the ingress class by value, with the globals known then.
-READINESS_TTL_S = 2.0  # How long /health answers from its last look at the controller.
-
-
 def session_key(routing: RoutingConfig, headers: Mapping[str, str], user: str | None) -> str | None:
     """The key that keeps a conversation on one engine replica, if the client sent one."""
     key = headers.get(routing.session_header) if routing.session_header else None
@@ -80,54 +71,27 @@ def session_key(routing: RoutingConfig, headers: Mapping[str, str], user: str | 
 @serve.ingress(app)
 class Router:
     def __init__(
-        self, preprocessor: DeploymentHandle, engine: DeploymentHandle, config: dict[str, Any]
+        self, backends: dict[str, dict[str, DeploymentHandle]], config: dict[str, Any]
     ) -> None:
+        """``backends``: per served model name, its ``preprocessor`` and ``engine`` handles."""
         self.config = AppConfig.model_validate(config)
         app_name = serve.get_replica_context().app_name
         configure(self.config.security, app_name=app_name)
-        self._preprocessor = preprocessor
-        self._engine = engine.options(stream=True)
-        self._engine_unary = engine
-        engine_name = str(getattr(engine, "deployment_name", "") or "Engine")
-        self.readiness = Readiness(
-            lambda: engine_running(app_name, engine_name),
-            ttl_s=READINESS_TTL_S,
-            timeout_s=self.config.health_timeout_s,
-        )
-        self._max_model_len: int | None = None
-        self._preprocessing = 0  # Preprocess calls in flight from this replica.
         tracing.configure(self.config.tracing.exporter)
         self.metrics = RouterMetrics(app_name)
-        self.serving = OpenAIServing(
-            self.config,
-            preprocess=self._preprocess,
-            generate=self._generate,
+        self.backends = ModelBackends(
+            [
+                ModelBackend(
+                    single,
+                    backends[single.model.public_name]["preprocessor"],
+                    backends[single.model.public_name]["engine"],
+                    app_name=app_name,
+                    on_resubmit=lambda model: self.metrics.resubmissions.inc(1, {"model": model}),
+                )
+                for single in self.config.per_model()
+            ]
         )
-        batch_routes.attach(self.serving, self.config)
-
-    def _generate(self, request: EngineRequest) -> AsyncIterator[Any]:
-        """One engine call, bounded; resubmitted once if its engine goes before a token."""
-        wait_s = self.config.engine_wait_timeout_s
-        return resubmitted_once(
-            lambda again: bounded_stream(
-                lambda: self._engine.generate.remote(request),
-                assign_timeout_s=min(wait_s, RESUBMIT_ASSIGN_S) if again else wait_s,
-                timeout_s=self.config.request_timeout_s,
-            ),
-            on_resubmit=lambda: self.metrics.resubmissions.inc(
-                1, {"model": self.serving.model_name}
-            ),
-        )
-
-    async def _preprocess(self, request: PreprocessRequest) -> PreprocessResult:
-        # The aggregation window (@serve.batch) only pays off when other requests can join it.
-        alone = self._preprocessing == 0
-        self._preprocessing += 1
-        try:
-            method = self._preprocessor.preprocess_now if alone else self._preprocessor.preprocess
-            return await method.remote(request)
-        finally:
-            self._preprocessing -= 1
+        batch_routes.attach(self.backends.serving, self.config)
 
     async def _with_timeout(self, work: Any) -> Any:
         try:
@@ -137,70 +101,72 @@ class Router:
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health(self) -> JSONResponse:
-        """Readiness: 200 while Serve runs a healthy engine replica of this app, 503 when none
-        (starting, restarting, dead or hung). Cached state, no engine call: a saturated engine
-        is still ready (``serve_app.ingress.readiness``)."""
-        if await self.readiness.ready():
+        """Readiness: 200 while Serve runs a healthy engine replica of every model of this app,
+        503 when one has none (starting, restarting, dead or hung). Cached state, no engine
+        call: a saturated engine is still ready (``serve_app.ingress.readiness``)."""
+        if await self.backends.ready():
             return JSONResponse({"status": "ok"})
         return error_response(BACKEND_UNAVAILABLE)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models(self) -> ModelList:
-        return self.serving.models(await self._model_len())
+        cards = [
+            card
+            for backend in self.backends
+            for serving in backend.servings.values()
+            for card in serving.models(await backend.max_model_len()).data
+        ]
+        return ModelList(data=cards)
 
     def finished_spans(self) -> list[dict[str, Any]]:
         """Spans kept by the in-memory exporter (tests); not an HTTP route."""
         return tracing.finished_spans()
 
-    async def _model_len(self) -> int:
-        if self._max_model_len is None:
-            self._max_model_len = await self._bounded(self._preprocessor.max_model_len.remote())
-        return self._max_model_len
-
-    async def _bounded(self, call: Any) -> Any:
-        """A short handle call (model length, tokenize), bounded like an engine assignment."""
-        try:
-            return await asyncio.wait_for(call, self.config.engine_wait_timeout_s)
-        except TimeoutError:
-            raise APIError.from_info(BACKEND_UNAVAILABLE) from None
-
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
-        self._check(body, request)
+        serving = self._check(body, request)
         return await self._run(
             "/v1/chat/completions",
             request,
-            lambda stats: chat.chat_completion(self.serving, body, stats),
+            lambda stats: chat.chat_completion(serving, body, stats),
+            serving,
             user=body.user,
             stream=bool(body.stream),
         )
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
-        self._check(body, request)
+        serving = self._check(body, request)
         return await self._run(
             "/v1/completions",
             request,
-            lambda stats: completions.completion(self.serving, body, stats),
+            lambda stats: completions.completion(serving, body, stats),
+            serving,
             user=body.user,
             stream=bool(body.stream),
         )
 
-    def _check(self, body: ChatCompletionRequest | CompletionRequest, request: Request) -> None:
-        """The operator's bounds on a client's request, before any work is spent on it."""
+    def _check(
+        self, body: ChatCompletionRequest | CompletionRequest, request: Request
+    ) -> OpenAIServing:
+        """The operator's bounds on a client's request, before any work is spent on it; the
+        serving core of the model it names (404 model_not_found naming the served ones)."""
+        serving = self.backends.serving(body.model)
         check_limits(body, self.config.security.limits)
         body.priority = allowed_priority(body.priority, tenant_of(request), self.config.security)
+        return serving
 
     async def _run(
         self,
         route: str,
         request: Request,
         work: Callable[[RequestStats], Awaitable[BaseModel | AsyncIterator[str]]],
+        serving: OpenAIServing,
         user: str | None = None,
         stream: bool = False,
     ) -> Response:
         """Trace, time and count one generation request; dispatch on the result type."""
-        stats = RequestStats(route=route, model=self.serving.model_name)
+        stats = RequestStats(route=route, model=serving.model_name)
         stats.session_key = session_key(self.config.engine.routing, request.headers, user)
         stats.tenant = tenant_of(request)
         span = tracing.tracer().start_span(
@@ -266,7 +232,7 @@ class Router:
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
-        self.serving.check_model(body.model)
+        backend = self.backends.get(body.model)
         request = PreprocessRequest(
             request_id="tokenize",
             kind="completion" if body.prompt is not None else "chat",
@@ -276,23 +242,23 @@ class Router:
             tools=body.tools,
             add_generation_prompt=body.add_generation_prompt,
         )
-        result = await self._bounded(
-            self._preprocessor.tokenize.remote(request, body.add_special_tokens)
+        result = await backend.bounded(
+            backend.preprocessor.tokenize.remote(request, body.add_special_tokens)
         )
         if isinstance(result, ErrorInfo):
             raise APIError.from_info(result)
         ids, strs = result
         return TokenizeResponse(
             count=len(ids),
-            max_model_len=await self._model_len(),
+            max_model_len=await backend.max_model_len(),
             tokens=ids,
             token_strs=strs if body.return_token_strs else None,
         )
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
-        self.serving.check_model(body.model)
-        result = await self._bounded(self._preprocessor.detokenize.remote(body.tokens))
+        backend = self.backends.get(body.model)
+        result = await backend.bounded(backend.preprocessor.detokenize.remote(body.tokens))
         if isinstance(result, ErrorInfo):
             raise APIError.from_info(result)
         return DetokenizeResponse(prompt=result)

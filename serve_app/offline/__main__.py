@@ -11,14 +11,26 @@ from serve_app.config import AppConfig
 from serve_app.offline.rows import JobConfig, load_json_schema
 
 
-def app_config(path: str | None) -> AppConfig:
-    """The ``args`` of the first application in a Serve config file (or the defaults)."""
+def app_config(path: str | None, model: str | None = None) -> AppConfig:
+    """The ``args`` of the first application in a Serve config file (or the defaults); of a
+    multi-model app, the model named ``model`` (required there). Without a file, ``model`` is
+    the checkpoint (an embedded alias, a directory or a hub id)."""
     if path is None:
-        return AppConfig()
+        return AppConfig.model_validate({"model": {"name": model}} if model else {})
     from serve_app.launch import load_serve_config
 
     apps = load_serve_config(path)["applications"]
-    return AppConfig.model_validate(apps[0].get("args") or {})
+    config = AppConfig.model_validate(apps[0].get("args") or {})
+    singles = {single.model.public_name: single for single in config.per_model()}
+    if model is None and len(singles) == 1:
+        return config
+    if model not in singles:
+        raise ValueError(
+            f"--model {model!r}: {path} serves {', '.join(singles)}; name one with --model"
+            if model is not None
+            else f"{path} serves several models ({', '.join(singles)}); name one with --model"
+        )
+    return singles[model]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -50,6 +62,10 @@ def parser() -> argparse.ArgumentParser:
         "(default: on single-worker CPU engines)",
     )
     run.add_argument("--config", help="Serve config file whose app args configure the engine")
+    run.add_argument(
+        "--model",
+        help="the model: of a --config serving several, the one to run; else a checkpoint",
+    )
     run.add_argument("--address", default="local", help="Ray address (default: a new local one)")
     run.add_argument("--no-progress", action="store_true")
     run.add_argument("--summary-json", action="store_true", help="print the summary as JSON")
@@ -72,7 +88,7 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
         "batch_size": args.batch_size,
         "batches_in_flight": args.batches_in_flight,
         "in_process_engine": args.in_process_engine,
-        "app_config": app_config(args.config),
+        "app_config": app_config(args.config, args.model),
         "ray_address": args.address,
         "progress": not args.no_progress,
     }

@@ -25,6 +25,8 @@ from serve_app.openai.protocol import ModelCard, ModelList, PromptTokensDetails,
 
 PreprocessFn = Callable[[PreprocessRequest], Awaitable[PreprocessResult]]
 GenerateFn = Callable[[EngineRequest], AsyncIterator["EngineStep | ErrorInfo"]]
+# The serving core of a model by the name a request puts in `model` (404 for an unknown one).
+ServingFor = Callable[[str], "OpenAIServing"]
 MERGE_QUEUE_PER_PROMPT = 2  # Steps a multi-prompt stream buffers per prompt.
 
 
@@ -111,6 +113,11 @@ class OpenAIServing:
     def check_model(self, model: str) -> None:
         if model != self.model_name:
             raise model_not_found(model, [self.model_name])
+
+    def for_model(self, model: str) -> OpenAIServing:
+        """Itself, for its own model's name (a one-model directory); else 404."""
+        self.check_model(model)
+        return self
 
     async def prepare(
         self, request: PreprocessRequest, priority: int, stats: RequestStats

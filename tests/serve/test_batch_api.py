@@ -256,7 +256,7 @@ def test_resume_after_restart(bclient: OpenAI, batch_server: tuple[str, Path]) -
         handle.write('{"torn line')  # the crash happened mid-write
     old = batch_api._service
     assert old is not None
-    batch_api.attach(old.serving, old.config, root)  # a restarted router replica
+    batch_api.attach(old.serving_for, old.config, root)  # a restarted router replica
     done = wait_done(bclient, "batch-resume")
     assert done.status == "completed"
     outputs = by_custom_id(bclient, done.output_file_id)

@@ -70,7 +70,8 @@ def test_the_tenant_is_the_key_name_the_middleware_matched() -> None:
 def test_the_router_raises_the_priority_of_both_generation_routes() -> None:
     # The method on a stand-in self: constructing a Router needs a running Serve replica.
     check = Router.func_or_class._check  # type: ignore[attr-defined]
-    router = SimpleNamespace(config=AppConfig(security=SECURITY))
+    backends = SimpleNamespace(serving=lambda model: model)
+    router = SimpleNamespace(config=AppConfig(security=SECURITY), backends=backends)
     chat = ChatCompletionRequest.model_validate(
         {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "priority": -1}
     )

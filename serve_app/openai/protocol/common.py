@@ -200,6 +200,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "serve_app"
     root: str | None = None
+    parent: str | None = None  # vLLM's field: the base model of a LoRA adapter.
     max_model_len: int | None = None
 
 
