@@ -53,6 +53,8 @@ def check_model(config: AppConfig) -> None:
         raise ValueError(f"model.name: {exc}") from exc
     if config.model.chat_template is not None:
         check_chat_template(config.model.chat_template)
+    for name, source in config.model.lora_adapters.items():
+        check_adapter(name, source)
     if Path(path).is_dir():
         from transformers import AutoConfig
 
@@ -60,6 +62,20 @@ def check_model(config: AppConfig) -> None:
             path, trust_remote_code=config.model.trust_remote_code
         )
         derive_max_model_len(config, hf_config)
+
+
+def check_adapter(name: str, source: str) -> None:
+    """A local adapter is a PEFT directory (adapter_config.json and weights); a hub id is
+    fetched by vLLM on first use."""
+    local = Path(source)
+    if not local.is_absolute():
+        return  # A hub id.
+    if not (local / "adapter_config.json").is_file():
+        what = "has no adapter_config.json" if local.is_dir() else "is not a directory"
+        raise ValueError(
+            f"model.lora_adapters.{name}: {source} {what}; give a PEFT adapter directory "
+            "(adapter_config.json + adapter_model.safetensors) or a hub id (org/name)"
+        )
 
 
 def check_chat_template(text: str) -> None:

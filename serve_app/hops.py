@@ -70,6 +70,8 @@ class PreprocessRequest:
     max_tokens_param: str = "max_tokens"
     # W3C trace context of the router's span (empty when tracing is off).
     trace_context: dict[str, str] = field(default_factory=dict)
+    # The LoRA adapter's name, if any: its KV cache is its own, so its prefix hashes are too.
+    adapter: str | None = None
     # time.time_ns() when the router sent it: the aggregation window's wait starts here.
     sent_at_ns: int = 0
 
@@ -92,6 +94,14 @@ class PreprocessResult:
 
 
 @dataclass(frozen=True)
+class LoraAdapter:
+    """A LoRA adapter of the engine's model: its served name and where vLLM loads it from."""
+
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     """Router → engine: one prompt's token ids; the engine never tokenizes again."""
 
@@ -108,6 +118,8 @@ class EngineRequest:
     session_key: str | None = None
     # The API key's name ("" without keys): the engine shares its slots fairly between them.
     tenant: str = ""
+    # The adapter to run the prompt with; None: the base model.
+    lora: LoraAdapter | None = None
 
     @property
     def prompt(self) -> str:

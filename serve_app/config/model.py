@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from serve_app.config.base import StrictModel
+
+MAX_LORA_ADAPTERS = 256
+# What a client may put in `model` for an adapter (vLLM's names are free text; ours are ids).
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 
 
 class GenerationDefaults(BaseModel):
@@ -62,6 +67,38 @@ class ModelConfig(StrictModel):
         "templates.",
     )
 
+    lora_adapters: dict[str, str] = Field(
+        default_factory=dict,
+        max_length=MAX_LORA_ADAPTERS,
+        description="LoRA adapters of this model, served by name: {name: local directory "
+        "(PEFT format: adapter_config.json + weights) or hub id}. A request with `model: "
+        "<name>` runs the adapter; /v1/models lists it with `parent` the model. Set "
+        "engine.vllm_args max_loras (adapters one engine step mixes, default 1) and "
+        "max_lora_rank (default 16) to fit them.",
+    )
+
+    @field_validator("lora_adapters")
+    @classmethod
+    def _adapter_names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, source in value.items():
+            if not ADAPTER_NAME.fullmatch(name):
+                raise ValueError(
+                    f"adapter name {name!r}: use 1-128 letters, digits and . _ - : / "
+                    "(it is what clients put in `model`)"
+                )
+            if not source.strip():
+                raise ValueError(f"adapter {name!r}: give a local directory or a hub id")
+        return {name: _absolute_if_local(source) for name, source in value.items()}
+
+    @model_validator(mode="after")
+    def _adapters_apart_from_model(self) -> ModelConfig:
+        if self.public_name in self.lora_adapters:
+            raise ValueError(
+                f"lora_adapters: {self.public_name!r} is the model's own served name; "
+                "name the adapter differently"
+            )
+        return self
+
     @field_validator("chat_template")
     @classmethod
     def _template_text(cls, value: str | None) -> str | None:
@@ -82,3 +119,12 @@ class ModelConfig(StrictModel):
     @property
     def public_name(self) -> str:
         return self.served_model_name or self.name
+
+
+def _absolute_if_local(source: str) -> str:
+    """A local adapter path made absolute where the config is first validated (build_app's
+    process), so engine replicas, whatever their working directory, load the same files."""
+    local = Path(source).expanduser()
+    if local.exists() or source.startswith((".", "/", "~")):
+        return str(local.absolute())
+    return source  # A hub id (org/name), fetched by vLLM where a hub is reachable.

@@ -17,10 +17,18 @@ from serve_app.engine.engine_args import engine_args, resolved_values, vllm_engi
 from serve_app.engine.fair_share import FairQueue, FairShareGate
 from serve_app.engine.watchdog import EngineWatchdog, StepHeartbeat
 from serve_app.errors import APIError
-from serve_app.hops import EngineChunk, EngineRequest, EngineStep, TokenLogprob, TopLogprob
+from serve_app.hops import (
+    EngineChunk,
+    EngineRequest,
+    EngineStep,
+    LoraAdapter,
+    TokenLogprob,
+    TopLogprob,
+)
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
 
 logger = logging.getLogger("serve_app.engine")
 
@@ -159,6 +167,9 @@ class VLLMEngine:
                 usage_context=UsageContext.LLM_CLASS if offline else UsageContext.OPENAI_API_SERVER,
             )
         self.max_model_len: int = self._llm.model_config.max_model_len
+        self._lora_enabled = bool(args.get("enable_lora"))
+        # vLLM keys a loaded adapter by an integer id: one per (name, path), for good.
+        self._lora_ids: dict[tuple[str, str], int] = {}
         self._watchdog = EngineWatchdog.for_engine(
             self._llm, heartbeat, config.engine.stall_timeout_s
         )
@@ -207,6 +218,7 @@ class VLLMEngine:
             TokensPrompt(prompt_token_ids=request.prompt_token_ids),
             params,
             request.request_id,
+            lora_request=self._lora_request(request.lora),
             priority=request.priority,
         )
         try:
@@ -223,6 +235,22 @@ class VLLMEngine:
             raise APIError(str(exc), param=getattr(exc, "parameter", None)) from exc
         finally:
             await stream.aclose()
+
+    def _lora_request(self, adapter: LoraAdapter | None) -> LoRARequest | None:
+        if adapter is None:
+            return None
+        if not self._lora_enabled:
+            raise APIError(
+                f"model {adapter.name!r} is a LoRA adapter but this engine runs without LoRA",
+                status=400,
+                param="model",
+                code="model_not_found",
+            )
+        from vllm.lora.request import LoRARequest
+
+        key = (adapter.name, adapter.path)
+        lora_id = self._lora_ids.setdefault(key, len(self._lora_ids) + 1)
+        return LoRARequest(adapter.name, lora_id, adapter.path)
 
     def num_unfinished(self) -> int:
         """Requests the engine still holds (running or waiting)."""

@@ -11,7 +11,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig
 from serve_app.errors import BACKEND_UNAVAILABLE, APIError, model_not_found
-from serve_app.hops import EngineRequest, PreprocessRequest, PreprocessResult
+from serve_app.hops import EngineRequest, LoraAdapter, PreprocessRequest, PreprocessResult
 from serve_app.ingress.handles import RESUBMIT_ASSIGN_S, bounded_stream, resubmitted_once
 from serve_app.ingress.readiness import Readiness, engine_running
 from serve_app.openai.serving import OpenAIServing
@@ -44,8 +44,11 @@ class ModelBackend:
         self._max_model_len: int | None = None
         self._preprocessing = 0  # Preprocess calls in flight from this replica.
         self.serving = OpenAIServing(config, preprocess=self._preprocess, generate=self._generate)
-        # Every name this backend serves (the model's; its LoRA adapters' to come).
-        self.servings = {self.serving.model_name: self.serving}
+        # Every name this backend serves: the model's and its LoRA adapters'.
+        self.servings = {self.serving.model_name: self.serving} | {
+            name: self.serving.for_adapter(LoraAdapter(name, path))
+            for name, path in config.model.lora_adapters.items()
+        }
 
     @property
     def name(self) -> str:

@@ -1,7 +1,7 @@
 """CLI: ``python -m serve_app.models {list,prepare} ...``.
 
 ``prepare`` is meant for image builds / CI warm-up so that serving replicas
-find the models already in the cache.
+find the models already in the cache; ``lora`` writes a trial LoRA adapter.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from . import (
     is_prepared,
     model_path,
     prepare,
+    resolve_model,
 )
+from .lora_adapter import build_lora_adapter
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,6 +34,13 @@ def _parser() -> argparse.ArgumentParser:
     prep = sub.add_parser("prepare", help="build embedded models into the cache")
     prep.add_argument("aliases", nargs="*", metavar="ALIAS", help="default: all")
     prep.add_argument("--force", action="store_true", help="rebuild even if prepared")
+    lora = sub.add_parser(
+        "lora", help="write a seeded random LoRA adapter (PEFT format) for a model, for trials"
+    )
+    lora.add_argument("base", metavar="MODEL", help="an embedded alias or a checkpoint directory")
+    lora.add_argument("out", metavar="DIR", help="the adapter directory to write")
+    lora.add_argument("--seed", type=int, default=1, help="different seeds, different adapters")
+    lora.add_argument("--rank", type=int, default=8, help="LoRA rank (vLLM's max_lora_rank: 16)")
     return parser
 
 
@@ -55,6 +64,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "list":
             return _list()
+        if args.command == "lora":
+            base = resolve_model(args.base)
+            print(build_lora_adapter(base, args.out, seed=args.seed, rank=args.rank))
+            return 0
         return _prepare(args.aliases, args.force)
     except (UnknownModelError, ModelSourceMissingError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -10,13 +10,14 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from serve_app.config import AppConfig
 from serve_app.errors import APIError, ErrorInfo, model_not_found
 from serve_app.hops import (
     EngineRequest,
     EngineStep,
+    LoraAdapter,
     PreprocessRequest,
     PreprocessResult,
     TokenizedPrompt,
@@ -94,18 +95,33 @@ class Prepared:
 
 
 class OpenAIServing:
-    def __init__(self, config: AppConfig, preprocess: PreprocessFn, generate: GenerateFn) -> None:
+    def __init__(
+        self,
+        config: AppConfig,
+        preprocess: PreprocessFn,
+        generate: GenerateFn,
+        lora: LoraAdapter | None = None,
+    ) -> None:
+        """``lora``: this serving runs one LoRA adapter of the model, served by its name."""
         self.config = config
-        self.model_name = config.model.public_name
+        self.lora = lora
+        self.model_name = lora.name if lora else config.model.public_name
         self._preprocess = preprocess
         self._generate = generate
         self._created = int(time.time())
 
+    def for_adapter(self, lora: LoraAdapter) -> OpenAIServing:
+        """The same model's serving core running ``lora``."""
+        return OpenAIServing(self.config, self._preprocess, self._generate, lora=lora)
+
     def models(self, max_model_len: int | None = None) -> ModelList:
+        model = self.config.model
         card = ModelCard(
             id=self.model_name,
             created=self._created,
-            root=self.config.model.name,
+            # vLLM's shape: an adapter's root is where it was loaded from, its parent the model.
+            root=self.lora.path if self.lora else model.name,
+            parent=model.public_name if self.lora else None,
             max_model_len=max_model_len,
         )
         return ModelList(data=[card])
@@ -123,6 +139,8 @@ class OpenAIServing:
         self, request: PreprocessRequest, priority: int, stats: RequestStats
     ) -> Prepared:
         stats.request_id = request.request_id
+        if self.lora is not None:
+            request = replace(request, adapter=self.lora.name)
         result = await self._preprocess(request)
         if result.error is not None:
             raise APIError.from_info(result.error)
@@ -154,6 +172,7 @@ class OpenAIServing:
                 block_hashes=prompt.block_hashes,
                 session_key=prepared.stats.session_key,
                 tenant=prepared.stats.tenant,
+                lora=self.lora,
             )
             for i, prompt in enumerate(prepared.prompts)
         ]

@@ -219,8 +219,11 @@ class Preprocessor:
         max_tokens = requested if requested is not None else self.max_model_len - longest
         if self._hash_blocks is not None:
             size, most = self._hash_blocks
+            # vLLM keys cached blocks by adapter too: equal tokens under two adapters share none.
+            salt = request.adapter.encode() if request.adapter else b""
             prompts = [
-                replace(p, block_hashes=block_hashes(p.token_ids, size, most)) for p in prompts
+                replace(p, block_hashes=block_hashes(p.token_ids, size, most, salt))
+                for p in prompts
             ]
         return PreprocessResult(prompts=prompts, sampling=sampling.with_max_tokens(max_tokens))
 

@@ -141,4 +141,6 @@ def test_the_two_model_production_example_validates() -> None:
         "qwen2.5-coder",
     )
     assert chat.engine.placement() == coder.engine.placement()
+    assert set(chat.model.lora_adapters) == {"sql-helper", "support-tone"}
+    assert chat.engine.vllm_args["max_loras"] == 2 and not coder.model.lora_adapters
     assert (chat.engine.max_replicas, coder.engine.max_replicas) == (2, 1)

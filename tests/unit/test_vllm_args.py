@@ -69,7 +69,11 @@ def test_every_emitted_name_is_listed_and_real() -> None:
     is listed, every listed name is a vLLM EngineArgs field and every DERIVED target a field."""
     config = AppConfig.model_validate(
         {
-            "model": {"max_model_len": 4096, "rope_scaling": {"rope_type": "yarn", "factor": 4}},
+            "model": {
+                "max_model_len": 4096,
+                "rope_scaling": {"rope_type": "yarn", "factor": 4},
+                "lora_adapters": {"sql": "/adapters/sql"},
+            },
             "engine": {
                 "device": "gpu",
                 "tensor_parallel_size": 2,
