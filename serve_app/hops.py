@@ -99,6 +99,8 @@ class LoraAdapter:
 
     name: str
     path: str
+    # Bumped by a runtime reload in place (same name): the engine loads it afresh.
+    revision: int = 0
 
 
 @dataclass(frozen=True)

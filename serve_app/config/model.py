@@ -77,6 +77,19 @@ class ModelConfig(StrictModel):
         "max_lora_rank (default 16) to fit them.",
     )
 
+    max_runtime_adapters: int = Field(
+        0,
+        ge=0,
+        le=MAX_LORA_ADAPTERS,
+        description="Most adapters loaded at runtime (POST /v1/load_lora_adapter, vLLM's API; "
+        "security.admin_keys only when keys are set); 0: runtime loading off. They are kept in "
+        "Ray's GCS, so every router replica serves them and replacement replicas keep them.",
+    )
+
+    @property
+    def uses_lora(self) -> bool:
+        return bool(self.lora_adapters) or self.max_runtime_adapters > 0
+
     @field_validator("lora_adapters")
     @classmethod
     def _adapter_names(cls, value: dict[str, str]) -> dict[str, str]:

@@ -134,6 +134,13 @@ class SecurityConfig(StrictModel):
         le=1024**2,
         description="Largest total size of the request headers; larger gets 431.",
     )
+    admin_keys: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Key names allowed on the admin routes (/v1/load_lora_adapter, "
+        "/v1/unload_lora_adapter); other keys get 403. Without keys those routes are open "
+        "wherever they are turned on (model.max_runtime_adapters).",
+    )
     limits: RequestLimits = Field(default_factory=RequestLimits)
     allowed_chat_template_kwargs: list[TemplateFlag] = Field(
         default_factory=lambda: ["enable_thinking"],
@@ -154,6 +161,14 @@ class SecurityConfig(StrictModel):
     @field_validator("key_rate_limits")
     @classmethod
     def _names(cls, value: dict[str, KeyRateLimit]) -> dict[str, KeyRateLimit]:
+        for name in value:
+            if not NAME_RE.fullmatch(name):
+                raise ValueError(f"{name!r} is not a key name ([A-Za-z0-9_.-], 1-64 chars)")
+        return value
+
+    @field_validator("admin_keys")
+    @classmethod
+    def _admin_names(cls, value: list[str]) -> list[str]:
         for name in value:
             if not NAME_RE.fullmatch(name):
                 raise ValueError(f"{name!r} is not a key name ([A-Za-z0-9_.-], 1-64 chars)")

@@ -31,7 +31,7 @@ DERIVED: dict[str, str] = {
     "max_num_batched_tokens": "engine.max_num_batched_tokens",
     "enforce_eager": "engine.enforce_eager",
     "seed": "engine.seed",
-    "enable_lora": "model.lora_adapters",
+    "enable_lora": "model.lora_adapters and model.max_runtime_adapters",
     "gpu_memory_utilization": "engine.gpu_memory_utilization",
     "structured_outputs_config": "engine.structured_output_backend and engine.compact_json",
 }

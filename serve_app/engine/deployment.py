@@ -12,7 +12,7 @@ from serve_app.config import AppConfig
 from serve_app.config.autoscaling import QUEUE_METRIC
 from serve_app.engine.routing.policy import KV_CACHE_TOKENS
 from serve_app.errors import APIError, ErrorInfo
-from serve_app.hops import EngineRequest, EngineStep
+from serve_app.hops import EngineRequest, EngineStep, LoraAdapter
 from serve_app.observability import tracing
 
 FAULT_SESSION_KEY = "serve_app:fault"  # With engine.inject_faults (tests only).
@@ -49,6 +49,14 @@ class EngineDeployment:
 
     def finished_spans(self) -> list[dict[str, Any]]:
         return tracing.finished_spans()
+
+    async def add_lora(self, adapter: LoraAdapter) -> ErrorInfo | None:
+        """Load a runtime adapter on this replica now (the others load it on first use)."""
+        try:
+            await self.engine.add_lora(adapter)
+        except APIError as exc:
+            return exc.info
+        return None
 
     def num_unfinished(self) -> int:
         return self.engine.num_unfinished()

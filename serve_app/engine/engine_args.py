@@ -49,7 +49,7 @@ def engine_args(config: AppConfig, model_path: str) -> dict[str, Any]:
         args["gpu_memory_utilization"] = engine.gpu_memory_utilization
         if engine.world_size > 1:
             args["distributed_executor_backend"] = "ray"
-    if model.lora_adapters:
+    if model.uses_lora:
         args["enable_lora"] = True
     if model.rope_scaling:
         args["hf_overrides"] = {"rope_scaling": model.rope_scaling}

@@ -168,8 +168,8 @@ class VLLMEngine:
             )
         self.max_model_len: int = self._llm.model_config.max_model_len
         self._lora_enabled = bool(args.get("enable_lora"))
-        # vLLM keys a loaded adapter by an integer id: one per (name, path), for good.
-        self._lora_ids: dict[tuple[str, str], int] = {}
+        # vLLM keys a loaded adapter by an integer id: one per (name, path, revision), for good.
+        self._lora_ids: dict[tuple[str, str, int], int] = {}
         self._watchdog = EngineWatchdog.for_engine(
             self._llm, heartbeat, config.engine.stall_timeout_s
         )
@@ -248,9 +248,25 @@ class VLLMEngine:
             )
         from vllm.lora.request import LoRARequest
 
-        key = (adapter.name, adapter.path)
+        key = (adapter.name, adapter.path, adapter.revision)
         lora_id = self._lora_ids.setdefault(key, len(self._lora_ids) + 1)
         return LoRARequest(adapter.name, lora_id, adapter.path)
+
+    async def add_lora(self, adapter: LoraAdapter) -> None:
+        """Load ``adapter`` now, as a runtime load's check; what vLLM says against it is a
+        404 (nothing at the path) or a 400 (e.g. a rank above max_lora_rank)."""
+        request = self._lora_request(adapter)
+        assert request is not None
+        try:
+            await self._llm.add_lora(request)
+        except Exception as exc:  # The engine core's errors arrive as text, not types.
+            missing = "not found" in str(exc).lower() or "no adapter" in str(exc).lower()
+            raise APIError(
+                f"LoRA adapter {adapter.name!r} could not be loaded from {adapter.path!r}: {exc}",
+                status=404 if missing else 400,
+                param="lora_path",
+                code="lora_adapter_not_found" if missing else "invalid_lora_adapter",
+            ) from exc
 
     def num_unfinished(self) -> int:
         """Requests the engine still holds (running or waiting)."""

@@ -12,11 +12,13 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.config import AppConfig
 from serve_app.errors import BACKEND_UNAVAILABLE, APIError, model_not_found
 from serve_app.hops import EngineRequest, LoraAdapter, PreprocessRequest, PreprocessResult
+from serve_app.ingress.adapters import RuntimeAdapters
 from serve_app.ingress.handles import RESUBMIT_ASSIGN_S, bounded_stream, resubmitted_once
 from serve_app.ingress.readiness import Readiness, engine_running
 from serve_app.openai.serving import OpenAIServing
 
 READINESS_TTL_S = 2.0  # How long /health answers from its last look at the controller.
+MAX_CACHED_SERVINGS = 1024  # Serving cores of runtime adapters a router keeps.
 
 
 class ModelBackend:
@@ -33,6 +35,7 @@ class ModelBackend:
         engine call resubmitted because its replica went away before the first token."""
         self.config = config
         self.preprocessor = preprocessor
+        self.engine = engine  # Unary calls (a runtime adapter's load check).
         self._engine = engine.options(stream=True)
         engine_name = str(getattr(engine, "deployment_name", "") or "Engine")
         self.readiness = Readiness(
@@ -90,24 +93,63 @@ class ModelBackend:
 
 
 class ModelBackends:
-    """The models a router serves, by the name clients put in ``model``."""
+    """The models a router serves, by the name clients put in ``model``: each model's own, its
+    configured adapters' and, with ``runtime``, adapters loaded at runtime."""
 
-    def __init__(self, backends: list[ModelBackend]) -> None:
+    def __init__(
+        self, backends: list[ModelBackend], runtime: RuntimeAdapters | None = None
+    ) -> None:
         self._backends = backends
         self._by_name = {name: b for b in backends for name in b.servings}
+        self._by_model = {b.name: b for b in backends}
+        self.runtime = runtime
+        self._runtime_servings: dict[LoraAdapter, OpenAIServing] = {}
 
     def get(self, model: str) -> ModelBackend:
         """The backend serving ``model``; else 404 naming the served ones."""
         backend = self._by_name.get(model)
-        if backend is None:
-            raise model_not_found(model, list(self._by_name))
-        return backend
+        if backend is not None:
+            return backend
+        loaded = self.runtime.get(model) if self.runtime else None
+        if loaded is None or loaded.model not in self._by_model:
+            raise model_not_found(model, self.names())
+        return self._by_model[loaded.model]
+
+    def names(self) -> list[str]:
+        loaded = [a.name for b in self._backends for a in self._runtime_of(b)]
+        return [*self._by_name, *loaded]
 
     def __iter__(self) -> Any:
         return iter(self._backends)
 
     def serving(self, model: str) -> OpenAIServing:
-        return self.get(model).servings[model]
+        backend = self.get(model)
+        if model in backend.servings:
+            return backend.servings[model]
+        loaded = self.runtime.get(model) if self.runtime else None
+        assert loaded is not None  # get() found it.
+        return self._runtime_serving(backend, loaded.adapter)
+
+    def servings_of(self, backend: ModelBackend) -> list[OpenAIServing]:
+        """Every name ``backend`` serves: its model, its configured and its runtime adapters."""
+        loaded = [self._runtime_serving(backend, a) for a in self._runtime_of(backend)]
+        return [*backend.servings.values(), *loaded]
+
+    def _runtime_of(self, backend: ModelBackend) -> list[LoraAdapter]:
+        return self.runtime.of(backend.name) if self.runtime else []
+
+    def _runtime_serving(self, backend: ModelBackend, adapter: LoraAdapter) -> OpenAIServing:
+        serving = self._runtime_servings.get(adapter)
+        if serving is None:
+            if len(self._runtime_servings) >= MAX_CACHED_SERVINGS:
+                self._runtime_servings.clear()  # Unloaded adapters' leftovers; cheap to redo.
+            serving = self._runtime_servings[adapter] = backend.serving.for_adapter(adapter)
+        return serving
+
+    async def fresh(self) -> None:
+        """Bring the runtime adapters up to date (at most one store read per REFRESH_S)."""
+        if self.runtime is not None:
+            await self.runtime.fresh()
 
     async def ready(self) -> bool:
         """Ready when every model has a running engine replica: a model without one would

@@ -18,7 +18,8 @@ from serve_app.batch_api import routes as batch_routes
 from serve_app.config import AppConfig, RoutingConfig
 from serve_app.errors import BACKEND_UNAVAILABLE, APIError, ErrorInfo
 from serve_app.hops import PreprocessRequest, SamplingSpec
-from serve_app.ingress import http_errors
+from serve_app.ingress import http_errors, lora_admin
+from serve_app.ingress.adapters import GcsStore, RuntimeAdapters
 from serve_app.ingress.backends import ModelBackend, ModelBackends
 from serve_app.ingress.handles import timeout_error
 from serve_app.ingress.http_errors import error_response
@@ -56,6 +57,7 @@ app = FastAPI(
 # Before @serve.ingress freezes a copy of the app; settings arrive later via `configure`.
 app.add_middleware(SecurityMiddleware)
 app.include_router(batch_routes.router)  # Before @serve.ingress copies the app.
+app.include_router(lora_admin.router)
 http_errors.install(app)
 
 
@@ -65,6 +67,13 @@ def session_key(routing: RoutingConfig, headers: Mapping[str, str], user: str | 
     if not key and routing.session_from_user:
         key = user
     return key[:256] if key else None  # Only hashed: a longer key adds nothing.
+
+
+def _runtime_adapters(config: AppConfig, app_name: str) -> RuntimeAdapters | None:
+    """The runtime adapters' shared view, where some model allows them."""
+    if not any(c.model.max_runtime_adapters for c in config.per_model()):
+        return None
+    return RuntimeAdapters(GcsStore(), app_name, config.served_names)
 
 
 @serve.deployment(name="Router")
@@ -89,9 +98,11 @@ class Router:
                     on_resubmit=lambda model: self.metrics.resubmissions.inc(1, {"model": model}),
                 )
                 for single in self.config.per_model()
-            ]
+            ],
+            runtime=_runtime_adapters(self.config, app_name),
         )
         batch_routes.attach(self.backends.serving, self.config)
+        lora_admin.attach(self.backends, self.config.security)
 
     async def _with_timeout(self, work: Any) -> Any:
         try:
@@ -110,10 +121,11 @@ class Router:
 
     @app.get("/v1/models", response_model=ModelList)
     async def models(self) -> ModelList:
+        await self.backends.fresh()
         cards = [
             card
             for backend in self.backends
-            for serving in backend.servings.values()
+            for serving in self.backends.servings_of(backend)
             for card in serving.models(await backend.max_model_len()).data
         ]
         return ModelList(data=cards)
@@ -124,6 +136,7 @@ class Router:
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Any:
+        await self.backends.fresh()
         serving = self._check(body, request)
         return await self._run(
             "/v1/chat/completions",
@@ -136,6 +149,7 @@ class Router:
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
+        await self.backends.fresh()
         serving = self._check(body, request)
         return await self._run(
             "/v1/completions",
@@ -232,6 +246,7 @@ class Router:
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        await self.backends.fresh()
         backend = self.backends.get(body.model)
         request = PreprocessRequest(
             request_id="tokenize",
@@ -257,6 +272,7 @@ class Router:
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        await self.backends.fresh()
         backend = self.backends.get(body.model)
         result = await backend.bounded(backend.preprocessor.detokenize.remote(body.tokens))
         if isinstance(result, ErrorInfo):

@@ -22,23 +22,32 @@ from tests.serve.wire import AsyncCheckedTransport, CheckedTransport
 SMOL = "smollm2-135m-instruct"
 PARIS = "What is the capital of France? Answer in one word."
 ADAPTERS = {"sql-helper": 1, "poet": 2}  # Served name -> seed.
+RUNTIME_SEED = 3  # The adapter loaded at runtime.
 
 
 @pytest.fixture(scope="module")
-def lora_url(base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def adapter_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    base = resolve_model(SMOL)
+    where = tmp_path_factory.mktemp("adapters")
+    seeds = ADAPTERS | {"runtime": RUNTIME_SEED}
+    return {name: str(build_lora_adapter(base, where / name, seed=s)) for name, s in seeds.items()}
+
+
+@pytest.fixture(scope="module")
+def lora_url(base_url: str, adapter_dirs: dict[str, str]) -> Iterator[str]:
     from ray import serve
 
     from serve_app.launch import wait_ready
 
-    base = resolve_model(SMOL)
-    where = tmp_path_factory.mktemp("adapters")
-    adapters = {
-        name: str(build_lora_adapter(base, where / name, seed=seed))
-        for name, seed in ADAPTERS.items()
-    }
+    adapters = {name: adapter_dirs[name] for name in ADAPTERS}
     app = build_app(
         {
-            "model": {"name": SMOL, "max_model_len": 2048, "lora_adapters": adapters},
+            "model": {
+                "name": SMOL,
+                "max_model_len": 2048,
+                "lora_adapters": adapters,
+                "max_runtime_adapters": 2,
+            },
             "engine": {
                 "device": "cpu",
                 "enforce_eager": True,
@@ -165,3 +174,34 @@ def test_an_unknown_adapter_is_404_naming_the_served_ones(lora_client: OpenAI) -
         _answer(lora_client, "sql-helper-v2")
     message = caught.value.response.json()["error"]["message"]
     assert all(name in message for name in (SMOL, *ADAPTERS))
+
+
+def test_an_adapter_loaded_at_runtime_is_served_until_unloaded(
+    lora_url: str, lora_client: OpenAI, adapter_dirs: dict[str, str]
+) -> None:
+    """vLLM's routes and bodies: load, use, a second load of the name, unload, and a 404 after."""
+    http = httpx.Client(base_url=lora_url, timeout=120)
+    body = {"lora_name": "support-tone", "lora_path": adapter_dirs["runtime"]}
+    loaded = http.post("/v1/load_lora_adapter", json=body)
+    assert loaded.status_code == 200, loaded.text
+    assert "added successfully" in loaded.text
+    cards = {card.id: card.model_dump() for card in lora_client.models.list().data}
+    assert cards["support-tone"]["parent"] == SMOL
+    answer = _answer(lora_client, "support-tone")
+    assert "Paris" not in answer and answer != _answer(lora_client, "sql-helper")
+    again = http.post("/v1/load_lora_adapter", json=body)
+    assert again.status_code == 400 and "load_inplace" in again.json()["error"]["message"]
+    missing = http.post(
+        "/v1/load_lora_adapter", json={"lora_name": "gone", "lora_path": "/nonexistent/lora"}
+    )
+    assert missing.status_code in (400, 404), missing.text
+    assert missing.json()["error"]["param"] == "lora_path"
+    assert "gone" not in {card.id for card in lora_client.models.list().data}
+    unloaded = http.post("/v1/unload_lora_adapter", json={"lora_name": "support-tone"})
+    assert unloaded.status_code == 200, unloaded.text
+    with pytest.raises(openai.NotFoundError):
+        _answer(lora_client, "support-tone")
+    gone = http.post("/v1/unload_lora_adapter", json={"lora_name": "support-tone"})
+    assert gone.status_code == 404
+    configured = http.post("/v1/unload_lora_adapter", json={"lora_name": "poet"})
+    assert configured.status_code == 400 and "model.lora_adapters" in configured.text
