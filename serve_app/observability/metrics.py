@@ -147,8 +147,8 @@ class RoutingMetrics:
         self.decisions = metrics.Counter(
             "serve_app_routing_decisions_total",
             "Engine routing decisions by reason (affinity: to the replica holding the longest "
-            "prefix; spill: it was too busy; session: session affinity; balance: nothing to "
-            "match) and chosen replica.",
+            "prefix; spill: it was too busy; session: session affinity; adapter: a LoRA "
+            "adapter's home replica; balance: nothing to match) and chosen replica.",
             tag_keys=("application", "deployment", "reason", "replica"),
         )
         self.decisions.set_default_tags({"application": application, "deployment": deployment})

@@ -2,7 +2,8 @@
 
 One app for the module, deployed from a Serve config (as `serve deploy` would): two small
 engine replicas (1 GiB of KV cache each) behind the prefix-aware request router, with a tight
-spill margin so a burst on one prompt must spill. Its last test scales the engines 2 -> 1 by
+spill margin so a burst on one prompt must spill, and one LoRA adapter (built here) whose
+requests the router keeps on one replica. Its last test scales the engines 2 -> 1 by
 redeploying the config while requests run.
 """
 
@@ -18,6 +19,8 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from serve_app.launch import _merge, load_serve_config, wait_ready
+from serve_app.models import resolve_model
+from serve_app.models.lora_adapter import build_lora_adapter
 from tests.serve.conftest import MODEL, ROOT
 from tests.serve.test_observability import _metrics_text, _sample
 
@@ -36,6 +39,9 @@ ROUTING: dict[str, Any] = {
     # keeps the scale-down test from waiting out a 10-minute default.
     "request_timeout_s": 50,
 }
+ADAPTER = "poet"
+# Where the module's adapter is built (the fixture fills it in; every redeploy names it).
+ADAPTER_DIRS: dict[str, str] = {}
 DECISIONS = "ray_serve_app_routing_decisions_total"
 RESUBMISSIONS = "ray_serve_app_engine_resubmissions_total"
 
@@ -64,11 +70,15 @@ def _deploy(engine_replicas: int | None = None) -> None:
     from ray.serve.schema import ServeDeploySchema
 
     args = load_serve_config(ROOT / "serve_config.cpu.yaml")["applications"][0]["args"]
+    lora = {
+        "model": {"lora_adapters": ADAPTER_DIRS},
+        "engine": {"vllm_args": {"max_loras": 1, "max_lora_rank": 8}},
+    }
     app: dict[str, Any] = {
         "name": APP,
         "route_prefix": f"/{APP}",
         "import_path": "serve_app:build_app",
-        "args": _merge(args, ROUTING),
+        "args": _merge(_merge(args, ROUTING), lora),
     }
     if engine_replicas is not None:
         app["deployments"] = [{"name": "Engine", "num_replicas": engine_replicas}]
@@ -122,9 +132,11 @@ def _settled_decisions(expected_total: float | None = None) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def routing_url(base_url: str) -> Iterator[str]:
+def routing_url(base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from ray import serve
 
+    where = tmp_path_factory.mktemp("adapters") / ADAPTER
+    ADAPTER_DIRS[ADAPTER] = str(build_lora_adapter(resolve_model(MODEL), where, seed=1))
     url = f"{base_url}/{APP}"
     try:
         _deploy()
@@ -187,6 +199,34 @@ def test_a_completion_with_several_prompts_is_routed_whole(routing_client: OpenA
         model=MODEL, prompt=prompts, max_tokens=2, temperature=0
     )
     assert sorted(choice.index for choice in completion.choices) == [0, 1, 2, 3]
+
+
+def test_an_adapters_requests_go_to_the_replica_that_has_it_loaded(
+    routing_client: OpenAI,
+) -> None:
+    """Serve's default router would load the adapter on both replicas (and on every replica
+    of a larger fleet); ours keeps an adapter's requests on its home replica, which every
+    router replica computes alike, until that replica is past the spill margin."""
+    before = _settled_decisions()
+    before_adapter = _decisions(reason="adapter")
+    questions = [
+        f"Write line {i} of a poem about the {topic}."
+        for i, topic in enumerate(
+            ["sea", "moon", "city", "rain", "forest", "train", "snow", "desert"]
+        )
+    ]
+    for question in questions:  # One at a time: never past the margin.
+        response = routing_client.chat.completions.create(
+            model=ADAPTER,
+            messages=[{"role": "user", "content": question}],
+            max_tokens=4,
+            temperature=0,
+        )
+        assert response.model == ADAPTER and response.choices[0].message.content
+    _settled_decisions(expected_total=sum(before.values()) + len(questions))
+    after = _decisions(reason="adapter")
+    served = sorted(after.get(r, 0) - before_adapter.get(r, 0) for r in after)
+    assert served[-1] == len(questions) and sum(served) == len(questions), served
 
 
 def test_a_killed_engine_replica_costs_no_request_that_had_not_started(routing_url: str) -> None:

@@ -256,6 +256,42 @@ def test_session_policy_keeps_no_index() -> None:
     assert p.choose((), idle(), session_key="x").reason == "session"
 
 
+def test_an_adapters_new_prompts_go_where_it_is_loaded_and_spread_only_under_load() -> None:
+    """Each adapter has a home by rendezvous hash of its name, the same in every caller; its
+    requests stay there while it is within the margin, then take the next in its order."""
+    a, b = (
+        policy(n=8, spill_margin=2, spill_ratio=0.0),
+        policy(n=8, spill_margin=2, spill_ratio=0.0),
+    )
+    b.set_replicas(reversed(list(idle(8))))  # Order must not matter.
+    q = idle(8)
+    prompts = [req(0, prefix=toks(s, 4 * BS)) for s in range(30)]  # Nothing shared.
+    homes = {a.choose(h, q, adapter="poet").replica for h in prompts}
+    assert len(homes) == 1
+    home = homes.pop()
+    assert a.counts["adapter"] == 30
+    assert {b.choose(h, q, adapter="poet").replica for h in prompts} == {home}
+    assert {a.choose((), q, adapter="poet").replica for _ in range(5)} == {home}  # No hashes.
+    # Adapters spread over the fleet by name.
+    names = [f"adapter-{k}" for k in range(64)]
+    spread = Counter(a.choose((), q, adapter=name).replica for name in names)
+    assert len(spread) == 8 and max(spread.values()) < 3 * 64 / 8
+    # The home past the margin: the adapter's second replica takes it, the same everywhere.
+    q[home] = 3
+    second = a.choose(req(99, prefix=toks(99, 4 * BS)), q, adapter="poet")
+    assert second.replica != home and second.reason == "adapter"
+    assert b.choose(req(98, prefix=toks(98, 4 * BS)), q, adapter="poet").replica == second.replica
+
+
+def test_a_cached_adapter_prefix_keeps_its_affinity() -> None:
+    p = policy(n=8)
+    q = idle(8)
+    first = p.choose(req(0), q, adapter="poet")
+    assert first.reason == "adapter"
+    follow_up = p.choose(req(1), q, adapter="poet")
+    assert (follow_up.replica, follow_up.reason) == (first.replica, "affinity")
+
+
 # ---- config ---------------------------------------------------------------------------
 def test_routing_config_defaults_and_bounds() -> None:
     routing = AppConfig().engine.routing

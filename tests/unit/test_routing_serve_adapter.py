@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Coroutine
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -18,8 +19,12 @@ from ray.serve.request_router import PendingRequest
 from serve_app.app import engine_options
 from serve_app.config import AppConfig, RoutingConfig
 from serve_app.engine.routing.options import RAY_PREFIX_CACHE_ROUTER, request_router_config
-from serve_app.engine.routing.serve_router import PrefixAwareRequestRouter, request_keys
-from serve_app.hops import EngineRequest, SamplingSpec
+from serve_app.engine.routing.serve_router import (
+    PrefixAwareRequestRouter,
+    RequestKeys,
+    request_keys,
+)
+from serve_app.hops import EngineRequest, LoraAdapter, SamplingSpec
 from serve_app.preprocess.block_hashes import block_hashes
 
 DEPLOYMENT = DeploymentID(name="Engine", app_name="llm")
@@ -132,12 +137,14 @@ def test_one_replica_is_chosen_without_a_probe_and_still_indexed(router: Any) ->
 
 
 def test_request_keys_read_the_engine_request_or_the_handle_session() -> None:
-    assert request_keys(pending(engine_request((), session="abc"))) == ((), "abc")
+    assert request_keys(pending(engine_request((), session="abc"))) == RequestKeys((), "abc")
     pr = pending(engine_request((1, 2)))
     pr.metadata.session_id = "from-handle-options"
-    assert request_keys(pr) == ((1, 2), "from-handle-options")
-    assert request_keys(pending("no hashes here")) == ((), None)
-    assert request_keys(None) == ((), None)
+    assert request_keys(pr) == RequestKeys((1, 2), "from-handle-options")
+    assert request_keys(pending("no hashes here")) == RequestKeys()
+    assert request_keys(None) == RequestKeys()
+    lora = replace(engine_request(), lora=LoraAdapter("poet", "/adapters/poet"))
+    assert request_keys(pending(lora)) == RequestKeys((), None, "poet")
 
 
 def test_engine_options_carry_the_request_router_config() -> None:

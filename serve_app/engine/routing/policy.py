@@ -1,4 +1,5 @@
-"""The routing decision, in plain Python: longest cached prefix first, spill past a margin.
+"""The routing decision, in plain Python: longest cached prefix first, spill past a margin;
+a LoRA adapter's requests to the replicas that already hold it.
 
 One ``RoutingPolicy`` lives in each process that calls the engine (each Router replica) and
 remembers what that process sent where. The Serve adapter (``serve_router``), the simulator
@@ -18,8 +19,8 @@ from typing import Literal
 from serve_app.config.routing import RoutingConfig
 from serve_app.engine.routing.index import PrefixIndex
 
-Reason = Literal["affinity", "spill", "session", "balance"]
-REASONS: tuple[Reason, ...] = ("affinity", "spill", "session", "balance")
+Reason = Literal["affinity", "spill", "session", "adapter", "balance"]
+REASONS: tuple[Reason, ...] = ("affinity", "spill", "session", "adapter", "balance")
 # Index size per replica until the replica reports its KV cache size.
 DEFAULT_INDEX_BLOCKS = 4096
 # What an engine replica reports through Serve's record_routing_stats: its KV cache in tokens.
@@ -60,6 +61,12 @@ class RoutingPolicy:
     ``queue_lens`` are requests in flight per replica as this caller sees them. A replica
     is "within the margin" when its queue is at most
     ``min_queue + max(spill_margin, spill_ratio * min_queue)``.
+
+    A LoRA adapter's request that no cached prefix places goes to the adapter's rendezvous
+    order: its first replica while that is within the margin, else the next. Every caller
+    computes the same order, so an adapter lives on as few replicas as its load needs (each
+    load costs a replica a read from disk and one of its ``max_loras`` slots) with no state
+    shared between callers.
     """
 
     def __init__(self, config: RoutingConfig, seed: int | None = None) -> None:
@@ -98,9 +105,10 @@ class RoutingPolicy:
         queue_lens: Mapping[str, int],
         candidates: Sequence[str] | None = None,
         session_key: str | None = None,
+        adapter: str | None = None,
     ) -> Decision:
         """Pick a replica among ``candidates`` (default: all known) for one request and
-        remember that it will hold ``hashes``."""
+        remember that it will hold ``hashes``. ``adapter``: the LoRA adapter's name, if any."""
         cands = list(self._replica_key) if candidates is None else list(candidates)
         if not cands:
             raise ValueError("no candidate replicas")
@@ -110,7 +118,9 @@ class RoutingPolicy:
         lens = list(map(queue_lens.get, cands, repeat(0)))
         least = min(lens)
         limit = least + max(self.config.spill_margin, self.config.spill_ratio * least)
-        decision = self._decide(hashes, queue_lens, cands, lens, allowed, least, limit, session_key)
+        decision = self._decide(
+            hashes, queue_lens, cands, lens, allowed, least, limit, session_key, adapter
+        )
         self.counts[decision.reason] += 1
         self.record(decision.replica, hashes)
         return decision
@@ -130,6 +140,7 @@ class RoutingPolicy:
         least: int,
         limit: float,
         session_key: str | None,
+        adapter: str | None,
     ) -> Decision:
         replica_key = self._replica_key
 
@@ -142,25 +153,33 @@ class RoutingPolicy:
             if queue(home) <= limit:
                 return Decision(home, "session")
             # Overloaded: fall through; the session goes home once the load evens out.
-        if not hashes or self.config.policy != "prefix_aware":
+        prefix_aware = bool(hashes) and self.config.policy == "prefix_aware"
+        if prefix_aware:
+            depth, holders = self.index.longest_match(hashes, allowed)
+            first = hashes[0]
+            if depth:
+                best = min(holders, key=lambda r: (queue(r), -hrw_score(first, replica_key[r])))
+                if queue(best) <= limit:
+                    return Decision(best, "affinity", depth)
+                # Warm spill: a replica within the margin holding a shorter prefix (e.g. the
+                # shared system prompt) still saves most of the prefill.
+                warm = [r for r in self.index.owners(first) & allowed if queue(r) <= limit]
+                if warm:
+                    depths = {r: self.index.match_depth(r, hashes) for r in warm}
+                    target = max(
+                        warm,
+                        key=lambda r: (depths[r], -queue(r), hrw_score(first, replica_key[r])),
+                    )
+                    return Decision(target, "spill", depths[target])
+        if adapter:
+            # The adapter's rendezvous order, first replica within the margin: where its other
+            # requests went, so it is loaded there already.
+            key = stable_key(f"lora:{adapter}")
+            pool = [r for r, n in zip(cands, lens, strict=True) if n <= limit]
+            return Decision(max(pool, key=lambda r: hrw_score(key, replica_key[r])), "adapter")
+        if not prefix_aware:
             idle = [r for r, n in zip(cands, lens, strict=True) if n == least]
             return Decision(self._rng.choice(idle), "balance")
-
-        first = hashes[0]
-        depth, holders = self.index.longest_match(hashes, allowed)
-        if depth:
-            best = min(holders, key=lambda r: (queue(r), -hrw_score(first, replica_key[r])))
-            if queue(best) <= limit:
-                return Decision(best, "affinity", depth)
-            # Warm spill: a replica within the margin holding a shorter prefix (e.g. the
-            # shared system prompt) still saves most of the prefill.
-            warm = [r for r in self.index.owners(first) & allowed if queue(r) <= limit]
-            if warm:
-                depths = {r: self.index.match_depth(r, hashes) for r in warm}
-                target = max(
-                    warm, key=lambda r: (depths[r], -queue(r), hrw_score(first, replica_key[r]))
-                )
-                return Decision(target, "spill", depths[target])
         # A cold prefix, or nothing warm within the margin. Ties (e.g. every queue empty) go
         # by a rendezvous hash of the first block, so independent callers (and a restarted
         # one) put a new prefix on the same replica.

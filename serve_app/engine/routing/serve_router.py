@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ray.serve.request_router import (
@@ -27,20 +28,35 @@ if TYPE_CHECKING:
     from ray.serve._private.common import RequestMetadata
 
 
-def request_keys(pending: PendingRequest | None) -> tuple[Sequence[int], str | None]:
-    """(block hashes, session key) of the first argument that carries block hashes.
+@dataclass(frozen=True)
+class RequestKeys:
+    """What the policy reads off one engine call: prefix hashes (empty: route by load), the
+    conversation's session key, and the LoRA adapter's name."""
+
+    hashes: Sequence[int] = ()
+    session: str | None = None
+    adapter: str | None = None
+
+
+def request_keys(pending: PendingRequest | None) -> RequestKeys:
+    """The keys of the first argument that carries block hashes.
 
     Serve resolves arguments before routing starts, so ``args[0]`` is the EngineRequest
     itself. Calls without one (health checks, stats) route by load.
     """
     if pending is None:
-        return (), None
+        return RequestKeys()
     handle_session = getattr(pending.metadata, "session_id", "") or None
     for arg in (*pending.args, *pending.kwargs.values()):
         hashes = getattr(arg, "block_hashes", None)
         if hashes is not None:
-            return hashes, getattr(arg, "session_key", None) or handle_session
-    return (), handle_session
+            lora = getattr(arg, "lora", None)
+            return RequestKeys(
+                hashes,
+                getattr(arg, "session_key", None) or handle_session,
+                getattr(lora, "name", None),
+            )
+    return RequestKeys(session=handle_session)
 
 
 # A pick Serve never sent (the request was cancelled first) stops counting after this long.
@@ -50,7 +66,8 @@ PICK_TTL_S = 5.0
 # No FIFOMixin: with it Serve hands the replica chosen for one request to whichever request
 # heads the queue, which throws the prefix choice away.
 class PrefixAwareRequestRouter(RequestRouter):
-    """Longest cached prefix first; spill to a less loaded replica past a margin; sessions."""
+    """Longest cached prefix first; spill to a less loaded replica past a margin; sessions;
+    a LoRA adapter's requests where the adapter is loaded."""
 
     def initialize_state(self, **routing: Any) -> None:
         # Called once with request_router_kwargs (engine.routing), before update_replicas.
@@ -123,12 +140,13 @@ class PrefixAwareRequestRouter(RequestRouter):
         if not open_:
             return [candidate_replicas]  # All full or unknown: Serve probes them, backs off.
         by_name = {r.replica_id.unique_id: r for r in open_}
-        hashes, session = request_keys(pending_request)
+        keys = request_keys(pending_request)
         decision = self._policy.choose(
-            hashes,
+            keys.hashes,
             {r.replica_id.unique_id: lens[r.replica_id] for r in open_},
             list(by_name),
-            session_key=session,
+            session_key=keys.session,
+            adapter=keys.adapter,
         )
         self._metrics.record(decision.reason, decision.replica)
         chosen = by_name[decision.replica]
@@ -182,7 +200,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._picks.pop(id(pending_request), None)
         # Called once the replica accepted. choose() already recorded the blocks at its pick;
         # if Serve fell back to the second rank, record them where they really went.
-        hashes, _ = request_keys(pending_request)
+        hashes = request_keys(pending_request).hashes
         name = replica_id.unique_id
         if hashes and not self._policy.index.holds(name, hashes[-1]):
             self._policy.record(name, hashes)
