@@ -11,6 +11,7 @@ from ray.serve import Application
 
 from serve_app.config import AppConfig
 from serve_app.config.app import deployment_suffix
+from serve_app.config.model import check_adapter
 from serve_app.engine.deployment import EngineDeployment
 from serve_app.engine.routing.options import request_router_config
 from serve_app.ingress.router import Router
@@ -62,20 +63,6 @@ def check_model(config: AppConfig) -> None:
             path, trust_remote_code=config.model.trust_remote_code
         )
         derive_max_model_len(config, hf_config)
-
-
-def check_adapter(name: str, source: str) -> None:
-    """A local adapter is a PEFT directory (adapter_config.json and weights); a hub id is
-    fetched by vLLM on first use."""
-    local = Path(source)
-    if not local.is_absolute():
-        return  # A hub id.
-    if not (local / "adapter_config.json").is_file():
-        what = "has no adapter_config.json" if local.is_dir() else "is not a directory"
-        raise ValueError(
-            f"model.lora_adapters.{name}: {source} {what}; give a PEFT adapter directory "
-            "(adapter_config.json + adapter_model.safetensors) or a hub id (org/name)"
-        )
 
 
 def check_chat_template(text: str) -> None:

@@ -141,3 +141,17 @@ def _absolute_if_local(source: str) -> str:
     if local.exists() or source.startswith((".", "/", "~")):
         return str(local.absolute())
     return source  # A hub id (org/name), fetched by vLLM where a hub is reachable.
+
+
+def check_adapter(name: str, source: str) -> None:
+    """A local adapter is a PEFT directory (adapter_config.json and weights); a hub id is
+    fetched by vLLM on first use. Checked where the app or job is built, not per request."""
+    local = Path(source)
+    if not local.is_absolute():
+        return  # A hub id.
+    if not (local / "adapter_config.json").is_file():
+        what = "has no adapter_config.json" if local.is_dir() else "is not a directory"
+        raise ValueError(
+            f"model.lora_adapters.{name}: {source} {what}; give a PEFT adapter directory "
+            "(adapter_config.json + adapter_model.safetensors) or a hub id (org/name)"
+        )

@@ -15,6 +15,7 @@ from serve_app.engine import cpu_pinning
 from serve_app.engine.background_gate import BackgroundGate
 from serve_app.engine.engine_args import engine_args, resolved_values, vllm_engine_args
 from serve_app.engine.fair_share import FairQueue, FairShareGate
+from serve_app.engine.lora_requests import LoraRequests
 from serve_app.engine.watchdog import EngineWatchdog, StepHeartbeat
 from serve_app.errors import APIError
 from serve_app.hops import (
@@ -28,7 +29,6 @@ from serve_app.hops import (
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
-    from vllm.lora.request import LoRARequest
 
 logger = logging.getLogger("serve_app.engine")
 
@@ -167,9 +167,7 @@ class VLLMEngine:
                 usage_context=UsageContext.LLM_CLASS if offline else UsageContext.OPENAI_API_SERVER,
             )
         self.max_model_len: int = self._llm.model_config.max_model_len
-        self._lora_enabled = bool(args.get("enable_lora"))
-        # vLLM keys a loaded adapter by an integer id: one per (name, path, revision), for good.
-        self._lora_ids: dict[tuple[str, str, int], int] = {}
+        self._loras = LoraRequests(bool(args.get("enable_lora")))
         self._watchdog = EngineWatchdog.for_engine(
             self._llm, heartbeat, config.engine.stall_timeout_s
         )
@@ -218,7 +216,7 @@ class VLLMEngine:
             TokensPrompt(prompt_token_ids=request.prompt_token_ids),
             params,
             request.request_id,
-            lora_request=self._lora_request(request.lora),
+            lora_request=self._loras.get(request.lora),
             priority=request.priority,
         )
         try:
@@ -236,26 +234,10 @@ class VLLMEngine:
         finally:
             await stream.aclose()
 
-    def _lora_request(self, adapter: LoraAdapter | None) -> LoRARequest | None:
-        if adapter is None:
-            return None
-        if not self._lora_enabled:
-            raise APIError(
-                f"model {adapter.name!r} is a LoRA adapter but this engine runs without LoRA",
-                status=400,
-                param="model",
-                code="model_not_found",
-            )
-        from vllm.lora.request import LoRARequest
-
-        key = (adapter.name, adapter.path, adapter.revision)
-        lora_id = self._lora_ids.setdefault(key, len(self._lora_ids) + 1)
-        return LoRARequest(adapter.name, lora_id, adapter.path)
-
     async def add_lora(self, adapter: LoraAdapter) -> None:
         """Load ``adapter`` now, as a runtime load's check; what vLLM says against it is a
         404 (nothing at the path) or a 400 (e.g. a rank above max_lora_rank)."""
-        request = self._lora_request(adapter)
+        request = self._loras.get(adapter)
         assert request is not None
         try:
             await self._llm.add_lora(request)

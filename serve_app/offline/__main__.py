@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from serve_app.config import AppConfig
-from serve_app.offline.rows import JobConfig, load_json_schema
+from serve_app.offline.rows import JobConfig, load_json_schema, with_adapters
 
 
 def app_config(path: str | None, model: str | None = None) -> AppConfig:
@@ -66,6 +66,20 @@ def parser() -> argparse.ArgumentParser:
         "--model",
         help="the model: of a --config serving several, the one to run; else a checkpoint",
     )
+    run.add_argument(
+        "--lora-adapter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="a LoRA adapter of the model (PEFT directory or hub id); repeatable; adds to the "
+        "--config's model.lora_adapters",
+    )
+    run.add_argument("--adapter", help="run every row with this LoRA adapter (by name)")
+    run.add_argument(
+        "--adapter-column",
+        help="column naming each row's LoRA adapter (null: --adapter, else the base model; "
+        "the model's own name: the base model)",
+    )
     run.add_argument("--address", default="local", help="Ray address (default: a new local one)")
     run.add_argument("--no-progress", action="store_true")
     run.add_argument("--summary-json", action="store_true", help="print the summary as JSON")
@@ -88,7 +102,9 @@ def job_from_args(args: argparse.Namespace) -> JobConfig:
         "batch_size": args.batch_size,
         "batches_in_flight": args.batches_in_flight,
         "in_process_engine": args.in_process_engine,
-        "app_config": app_config(args.config, args.model),
+        "app_config": with_adapters(app_config(args.config, args.model), args.lora_adapter),
+        "adapter": args.adapter,
+        "adapter_column": args.adapter_column,
         "ray_address": args.address,
         "progress": not args.no_progress,
     }

@@ -29,6 +29,7 @@ from typing import Any
 
 from serve_app.config import AppConfig
 from serve_app.engine import cpu_pinning
+from serve_app.engine.lora_requests import LoraRequests
 from serve_app.errors import APIError
 from serve_app.hops import EngineRequest, EngineStep
 
@@ -59,6 +60,7 @@ class InProcessEngine:
         self._pending: dict[str, _Submit] = {}
         self._dead: BaseException | None = None
         self._stopped = False
+        self._loras = LoraRequests(config.model.uses_lora)
         started: concurrent.futures.Future[None] = concurrent.futures.Future()
         # The engine is built on the thread that steps it: OpenMP binds that thread's team.
         self._thread = threading.Thread(
@@ -150,10 +152,14 @@ class InProcessEngine:
                 request.request_id,
                 TokensPrompt(prompt_token_ids=request.prompt_token_ids),
                 to_sampling_params(replace(request, stream=False)),  # Finished outputs only.
+                lora_request=self._loras.get(request.lora),
                 priority=request.priority,
             )
         except (ValueError, VLLMClientError) as exc:  # vLLM's checks of this one request.
             item.done.set_exception(APIError(str(exc), param=getattr(exc, "parameter", None)))
+            return
+        except APIError as exc:  # A LoRA adapter on an engine without LoRA.
+            item.done.set_exception(exc)
             return
         except Exception as exc:  # Raised before the request reached the scheduler: its row fails.
             item.done.set_exception(exc)

@@ -15,8 +15,9 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from serve_app.config import AppConfig
+from serve_app.config.model import ModelConfig, check_adapter
 from serve_app.errors import APIError
-from serve_app.hops import PreprocessRequest, SamplingSpec, StructuredSpec
+from serve_app.hops import LoraAdapter, PreprocessRequest, SamplingSpec, StructuredSpec
 
 # Per-row sampling columns: a non-null value in one of these columns overrides the job's.
 SAMPLING_COLUMNS = (
@@ -75,6 +76,10 @@ class JobConfig:
     app_config: AppConfig = field(default_factory=AppConfig)
     ray_address: str | None = "local"
     progress: bool = True
+    # LoRA adapters of app_config's model (model.lora_adapters), by name: ``adapter`` runs every
+    # row; ``adapter_column`` names each row's (a null there: ``adapter``, else the base model).
+    adapter: str | None = None
+    adapter_column: str | None = None
 
     def __post_init__(self) -> None:
         sources = [self.prompt_column, self.messages_column, self.template]
@@ -87,6 +92,29 @@ class JobConfig:
             template_fields(self.template)
         if min(self.concurrency, self.batch_size, self.batches_in_flight) < 1:
             raise ValueError("concurrency, batch_size and batches_in_flight must be at least 1")
+        if self.adapter is not None and self.adapter not in self.adapters():
+            raise ValueError(f"adapter {self.adapter!r}: {self._served_adapters()}")
+        for name, source in self.adapters().items():
+            check_adapter(name, source)
+
+    def adapters(self) -> dict[str, str]:
+        """The model's LoRA adapters: name -> where vLLM loads it from."""
+        return self.app_config.model.lora_adapters
+
+    def _served_adapters(self) -> str:
+        names = ", ".join(sorted(self.adapters()))
+        return (
+            f"not an adapter of the model (it has {names})"
+            if names
+            else (
+                "the model has no LoRA adapters (give model.lora_adapters in --config, or "
+                "--lora-adapter NAME=PATH)"
+            )
+        )
+
+    def lora(self, name: str | None) -> LoraAdapter | None:
+        """The engine's adapter for a row's adapter name (None: the base model)."""
+        return None if name is None else LoraAdapter(name, self.adapters()[name])
 
     def engine_in_process(self) -> bool:
         """Whether engine actors run vLLM in-process (``in_process_engine``, resolved)."""
@@ -107,6 +135,24 @@ class JobConfig:
         if self.temperature is not None:
             params["temperature"] = self.temperature
         return params
+
+
+def with_adapters(config: AppConfig, pairs: list[str]) -> AppConfig:
+    """``config`` with more LoRA adapters, each ``NAME=PATH`` (validated as in a config file)."""
+    if not pairs:
+        return config
+    adapters = dict(config.model.lora_adapters)
+    for pair in pairs:
+        name, sep, source = pair.partition("=")
+        if not (sep and name and source):
+            raise ValueError(f"--lora-adapter {pair!r}: give NAME=PATH (or NAME=org/hub-id)")
+        adapters[name] = source
+    data = config.model.model_dump(exclude_unset=True) | {"lora_adapters": adapters}
+    try:
+        model = ModelConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(f"--lora-adapter: {exc.errors()[0]['msg']}") from exc
+    return config.model_copy(update={"model": model})
 
 
 def load_json_schema(path: str | Path) -> dict[str, Any]:
@@ -182,6 +228,20 @@ def row_messages(job: JobConfig, row: dict[str, Any]) -> list[dict[str, Any]]:
     return messages
 
 
+def row_adapter(job: JobConfig, row: dict[str, Any]) -> str | None:
+    """The row's adapter name (None: the base model, also when the column names the model)."""
+    name = job.adapter
+    if job.adapter_column is not None:
+        value = row.get(job.adapter_column)
+        if value is not None and value != "":
+            name = str(value)
+    if name is None or name == job.app_config.model.public_name:
+        return None
+    if name not in job.adapters():
+        raise RowError(f"{job.adapter_column or 'adapter'}: {name!r} is {job._served_adapters()}")
+    return name
+
+
 def row_params(job: JobConfig, row: dict[str, Any]) -> dict[str, Any]:
     params = job.job_params()
     for column in SAMPLING_COLUMNS:
@@ -198,8 +258,9 @@ def build_request(job: JobConfig, row: dict[str, Any], request_id: str) -> Prepr
     from serve_app.openai.protocol import ChatCompletionRequest
 
     config = job.app_config
+    adapter = row_adapter(job, row)
     body = {
-        "model": config.model.public_name,
+        "model": adapter or config.model.public_name,
         "messages": row_messages(job, row),
         **row_params(job, row),
     }
@@ -224,6 +285,7 @@ def build_request(job: JobConfig, row: dict[str, Any], request_id: str) -> Prepr
         messages=[m.to_template_dict() for m in request.messages],
         chat_template_kwargs=request.chat_template_kwargs or {},
         max_tokens_param=request.max_tokens_param,
+        adapter=adapter,
     )
 
 

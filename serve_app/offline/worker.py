@@ -99,6 +99,7 @@ class EngineWorker:
             prompt_token_ids=result.prompts[0].token_ids,
             sampling=result.sampling,
             stream=False,  # One final output per row, not one per token (as LLM.generate).
+            lora=self.job.lora(request.adapter),
         )
         text: list[str] = []
         tokens, finish = 0, None

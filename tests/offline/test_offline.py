@@ -163,3 +163,33 @@ def test_killed_job_resumes_without_loss_or_duplicates(tmp_path: Path) -> None:
     # The rows finished before the kill are untouched.
     after = {row["id"]: row for row in read_rows(str(out))}
     assert all(after[row["id"]] == row for row in before)
+
+
+def test_rows_run_with_the_lora_adapter_their_column_names(tmp_path: Path) -> None:
+    """The CLI with an adapter built here: base rows and adapter rows share engine steps (the
+    CPU LoRA fix keeps the adapter off the base rows); a row naming no adapter of the model is
+    an error row, the rest run."""
+    from serve_app.models import resolve_model
+    from serve_app.models.lora_adapter import build_lora_adapter
+
+    poet = build_lora_adapter(resolve_model("smollm2-135m-instruct"), tmp_path / "poet", seed=2)
+    paris = "What is the capital of France? Answer in one word."
+    rows = [{"id": f"base-{i}", "prompt": paris} for i in range(3)]
+    rows += [{"id": f"poet-{i}", "prompt": paris, "lora": "poet"} for i in range(3)]
+    rows += [{"id": "sonnet", "prompt": paris, "lora": "sonnet"}]
+    corpus = tmp_path / "adapters.jsonl"
+    corpus.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "out"
+    cli = _cli(corpus, out, "--lora-adapter", f"poet={poet}", "--adapter-column", "lora")
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [*cli, "--max-tokens", "8"], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = {row["id"]: row for row in read_rows(str(out))}
+    assert set(got) == {row["id"] for row in rows}
+    for i in range(3):
+        assert "Paris" in got[f"base-{i}"]["output"], got
+        assert got[f"poet-{i}"]["output"] and "Paris" not in got[f"poet-{i}"]["output"], got
+    assert "'sonnet' is not an adapter of the model (it has poet)" in got["sonnet"]["error"]

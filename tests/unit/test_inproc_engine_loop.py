@@ -37,7 +37,9 @@ class ScriptedEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting)
 
-    def add_request(self, request_id: str, prompt: Any, params: Any, priority: int = 0) -> None:
+    def add_request(
+        self, request_id: str, prompt: Any, params: Any, lora_request: Any = None, priority: int = 0
+    ) -> None:
         if not prompt["prompt_token_ids"]:
             raise ValueError("The decoder prompt cannot be empty")
         self.waiting.append(request_id)

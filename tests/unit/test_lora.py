@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from serve_app.app import check_adapter
 from serve_app.config import AppConfig
+from serve_app.config.model import check_adapter
 from serve_app.engine.cpu_lora_fix import applies_base_to_adapter, skipping_no_lora
 from serve_app.engine.engine_args import engine_args
 from serve_app.hops import (

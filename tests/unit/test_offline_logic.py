@@ -10,6 +10,8 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from serve_app.config import AppConfig
+from serve_app.hops import LoraAdapter
 from serve_app.offline.output import PartWriter, read_rows
 from serve_app.offline.rows import (
     JobConfig,
@@ -20,6 +22,7 @@ from serve_app.offline.rows import (
     row_messages,
     row_params,
     template_fields,
+    with_adapters,
 )
 from serve_app.offline.runner import drop_done
 
@@ -84,6 +87,43 @@ def test_build_request_validates_like_the_api() -> None:
         build_request(j, {"prompt": "hi", "max_tokens": 0}, "r3")
     with pytest.raises(RowError, match="missing column 'prompt'"):
         build_request(j, {"id": 1}, "r4")
+
+
+def adapter_dir(where: Path) -> str:
+    where.mkdir(parents=True)
+    (where / "adapter_config.json").write_text("{}")
+    return str(where)
+
+
+def test_rows_name_their_adapter_or_take_the_jobs(tmp_path: Path) -> None:
+    poet = adapter_dir(tmp_path / "poet")
+    config = with_adapters(AppConfig(), [f"poet={poet}", "tone=org/tone-lora"])
+    assert config.model.lora_adapters == {"poet": poet, "tone": "org/tone-lora"}
+    j = job(app_config=config, adapter_column="lora")
+    assert build_request(j, {"prompt": "hi", "lora": "poet"}, "r1").adapter == "poet"
+    assert build_request(j, {"prompt": "hi", "lora": None}, "r2").adapter is None
+    model = config.model.public_name
+    assert build_request(j, {"prompt": "hi", "lora": model}, "r3").adapter is None
+    with pytest.raises(RowError, match="lora: 'sonnet' is not an adapter of the model"):
+        build_request(j, {"prompt": "hi", "lora": "sonnet"}, "r4")
+    both = job(app_config=config, adapter="tone", adapter_column="lora")
+    assert build_request(both, {"prompt": "hi"}, "r5").adapter == "tone"
+    assert build_request(both, {"prompt": "hi", "lora": "poet"}, "r6").adapter == "poet"
+    assert both.lora("poet") == LoraAdapter("poet", poet)
+    assert both.lora(None) is None
+
+
+def test_adapters_are_checked_before_any_row_runs(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="the model has no LoRA adapters"):
+        job(adapter="poet")
+    with pytest.raises(ValueError, match="give NAME=PATH"):
+        with_adapters(AppConfig(), ["poet"])
+    with pytest.raises(ValueError, match="adapter name"):
+        with_adapters(AppConfig(), ["bad name=/tmp"])
+    (tmp_path / "empty").mkdir()
+    config = with_adapters(AppConfig(), [f"poet={tmp_path / 'empty'}"])
+    with pytest.raises(ValueError, match=r"has no adapter_config\.json"):
+        job(app_config=config, adapter="poet")
 
 
 def test_json_schema_checked_once_up_front(tmp_path: Path) -> None:
