@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +53,15 @@ _service: BatchService | None = None
 
 
 def attach(
-    serving: OpenAIServing | ServingFor, config: AppConfig, root: Path | None = None
+    serving: OpenAIServing | ServingFor,
+    config: AppConfig,
+    root: Path | None = None,
+    refresh: Callable[[], Awaitable[None]] | None = None,
 ) -> BatchService:
-    """Called by the router replica: open the store and resume batches left active."""
+    """Called by the router replica: open the store and resume batches left active.
+    ``refresh``: brings the runtime LoRA adapters up to date (see BatchService)."""
     global _service
-    _service = BatchService(serving, config, BatchStore(root))
+    _service = BatchService(serving, config, BatchStore(root), refresh=refresh)
     try:
         asyncio.get_running_loop()
         _service.ensure_resumed()

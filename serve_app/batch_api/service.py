@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -41,6 +42,7 @@ class BatchService:
         *,
         priority: int = BATCH_PRIORITY,
         max_in_flight: int = 32,
+        refresh: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         # Lines name their model: one serving core, or a multi-model app's directory.
         self.serving_for: ServingFor = (
@@ -48,6 +50,9 @@ class BatchService:
         )
         self.config, self.store = config, store
         self.priority, self.max_in_flight = priority, max_in_flight
+        # Brings runtime LoRA adapters up to date before a line is routed (loads and unloads
+        # through other router replicas; at most one store read a second).
+        self.refresh = refresh
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._cancelling: set[str] = set()
         self._resumed = False
@@ -161,6 +166,8 @@ class BatchService:
         stats.tenant = owner
         try:
             work: Any
+            if self.refresh is not None:
+                await self.refresh()
             serving = self.serving_for(str(body.get("model")))
             if endpoint == "/v1/chat/completions":
                 chat_request = ChatCompletionRequest.model_validate(body | {"stream": False})

@@ -13,18 +13,23 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from serve_app.hops import LoraAdapter
 
 NAMESPACE = "serve_app"
 REFRESH_S = 1.0  # How stale a router's view of other routers' loads and unloads may get.
+AddResult = Literal["added", "taken", "full"]
 
 
 class KeyValueStore(Protocol):
     def keys(self, prefix: bytes) -> list[bytes]: ...
 
     def get(self, key: bytes) -> bytes | None: ...
+
+    def get_many(self, keys: list[bytes]) -> dict[bytes, bytes]:
+        """The values of those ``keys`` that exist, in one round trip."""
+        ...
 
     def create(self, key: bytes, value: bytes, *, replace: bool) -> bool:
         """Store ``value``; False when the key exists and ``replace`` is off (nothing stored)."""
@@ -49,6 +54,13 @@ class GcsStore:
         value = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
         return bytes(value) if value is not None else None
 
+    def get_many(self, keys: list[bytes]) -> dict[bytes, bytes]:
+        from ray.experimental import internal_kv
+
+        client = internal_kv.internal_kv_get_gcs_client()
+        found = client.internal_kv_multi_get(keys, namespace=NAMESPACE.encode())
+        return {bytes(key): bytes(value) for key, value in found.items() if value is not None}
+
     def create(self, key: bytes, value: bytes, *, replace: bool) -> bool:
         from ray.experimental import internal_kv
 
@@ -72,6 +84,9 @@ class MemoryStore:
 
     def get(self, key: bytes) -> bytes | None:
         return self.data.get(key)
+
+    def get_many(self, keys: list[bytes]) -> dict[bytes, bytes]:
+        return {key: self.data[key] for key in keys if key in self.data}
 
     def create(self, key: bytes, value: bytes, *, replace: bool) -> bool:
         if key in self.data and not replace:
@@ -126,28 +141,30 @@ class RuntimeAdapters:
         seen: dict[str, RuntimeAdapter] = {}
         for model in self._models:
             prefix = self._prefix(model)
-            for key in self._store.keys(prefix):
+            # Values too, not only names: a reload in place through another router changes
+            # the revision under the same name.
+            for key, value in self._store.get_many(self._store.keys(prefix)).items():
                 name = key[len(prefix) :].decode()
-                known = self._by_name.get(name)
-                if known is not None and known.model == model:
-                    seen[name] = known
-                    continue
-                value = self._store.get(key)
-                if value is not None:
-                    seen[name] = RuntimeAdapter(model, LoraAdapter(name, **json.loads(value)))
+                seen[name] = RuntimeAdapter(model, LoraAdapter(name, **json.loads(value)))
         if changes == self._changes:
             self._by_name = seen
             self._refreshed_at = time.monotonic()
 
-    def add(self, model: str, adapter: LoraAdapter, *, replace: bool) -> bool:
-        """Record ``adapter`` (blocking); False when the name is taken and not ``replace``."""
+    def add(self, model: str, adapter: LoraAdapter, *, replace: bool, limit: int) -> AddResult:
+        """Record ``adapter`` (blocking). "taken": the name is loaded and not ``replace``;
+        "full": the model already has ``limit`` runtime adapters (nothing recorded)."""
         value = json.dumps({"path": adapter.path, "revision": adapter.revision}).encode()
         key = self._prefix(model) + adapter.name.encode()
         if not self._store.create(key, value, replace=replace):
-            return False
+            return "taken"
+        # Counted after creating: two routers loading different names at the limit cannot
+        # both pass a count taken before (both may back out; a retry then wins).
+        if not replace and len(self._store.keys(self._prefix(model))) > limit:
+            self._store.delete(key)
+            return "full"
         self._changes += 1
         self._by_name[adapter.name] = RuntimeAdapter(model, adapter)
-        return True
+        return "added"
 
     def remove(self, name: str) -> bool:
         """Forget ``name`` (blocking); False when it is not loaded at runtime."""

@@ -94,22 +94,19 @@ class AdapterAdmin:
         if loaded is not None and not body.load_inplace:
             raise _already_loaded(name)
         if loaded is None and await asyncio.to_thread(self._runtime.count, backend.name) >= limit:
-            raise APIError(
-                f"{backend.name!r} has {limit} runtime adapters, its limit "
-                "(model.max_runtime_adapters); unload one first.",
-                param="lora_name",
-                code="too_many_adapters",
-            )
+            raise _too_many(backend.name, limit)
         # A reload in place gets a new revision: engines load it afresh, not from their cache.
         adapter = LoraAdapter(name, body.lora_path, time.time_ns() if body.load_inplace else 0)
         error: ErrorInfo | None = await backend.bounded(backend.engine.add_lora.remote(adapter))
         if error is not None:
             raise APIError.from_info(error)
         added = await asyncio.to_thread(
-            self._runtime.add, backend.name, adapter, replace=body.load_inplace
+            self._runtime.add, backend.name, adapter, replace=body.load_inplace, limit=limit
         )
-        if not added:  # Another router loaded the same name meanwhile.
+        if added == "taken":  # Another router loaded the same name meanwhile.
             raise _already_loaded(name)
+        if added == "full":  # Others loaded up to the limit meanwhile.
+            raise _too_many(backend.name, limit)
         return f"Success: LoRA adapter '{name}' added successfully."
 
     async def unload(self, body: UnloadLoRAAdapterRequest, tenant: str) -> str:
@@ -146,6 +143,15 @@ class AdapterAdmin:
             if backend.name == base_model_name:
                 return backend
         raise model_not_found(base_model_name, [b.name for b in backends])
+
+
+def _too_many(model: str, limit: int) -> APIError:
+    return APIError(
+        f"{model!r} has {limit} runtime adapters, its limit (model.max_runtime_adapters); "
+        "unload one first.",
+        param="lora_name",
+        code="too_many_adapters",
+    )
 
 
 def _already_loaded(name: str) -> APIError:

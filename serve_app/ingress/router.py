@@ -101,7 +101,7 @@ class Router:
             ],
             runtime=_runtime_adapters(self.config, app_name),
         )
-        batch_routes.attach(self.backends.serving, self.config)
+        batch_routes.attach(self.backends.serving, self.config, refresh=self.backends.fresh)
         lora_admin.attach(self.backends, self.config.security)
 
     async def _with_timeout(self, work: Any) -> Any:

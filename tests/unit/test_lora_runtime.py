@@ -134,9 +134,76 @@ def test_a_read_that_overlapped_a_local_load_does_not_undo_it() -> None:
 
     store = LoadDuringRead()
     view = RuntimeAdapters(store, "app", ["m"])
-    hook = [lambda: view.add("m", LoraAdapter("b", "/b"), replace=False)]
+    hook = [lambda: view.add("m", LoraAdapter("b", "/b"), replace=False, limit=4)]
     view._refresh()
     assert view.get("b") is not None  # The stale read was dropped, not applied.
     view._refresh()  # The next read sees it in the store.
     assert view.get("b") == adapters.RuntimeAdapter("m", LoraAdapter("b", "/b"))
-    assert not RuntimeAdapters(store, "app", ["m"]).add("m", LoraAdapter("b", "/c"), replace=False)
+    other = RuntimeAdapters(store, "app", ["m"])
+    assert other.add("m", LoraAdapter("b", "/c"), replace=False, limit=4) == "taken"
+
+
+async def test_a_reload_in_place_reaches_the_other_router(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same name, new weights: the other router must send the new revision, or its engines
+    would keep running the old weights they cached."""
+    monkeypatch.setattr(adapters, "REFRESH_S", 0.0)
+    store, engine = MemoryStore(), FakeEngine()
+    first, second = _router(store, engine), _router(store, engine)
+    admin = AdapterAdmin(first, SecurityConfig())
+    await admin.load(_load("sql"), "")
+    await second.fresh()
+    assert second.serving("sql").lora == LoraAdapter("sql", "/adapters/a")
+    await admin.load(_load("sql", "/adapters/b", load_inplace=True), "")
+    await second.fresh()
+    assert second.serving("sql").lora == engine.loaded[-1]
+    assert engine.loaded[-1].path == "/adapters/b" and engine.loaded[-1].revision > 0
+
+
+def test_loads_racing_at_the_limit_never_pass_it() -> None:
+    """Two routers see 1 of 2 and both create: whoever counts 3 backs out, so the store
+    never holds more than the limit once each load has returned."""
+    hook: list[Any] = []
+
+    class Racing(MemoryStore):
+        def create(self, key: bytes, value: bytes, *, replace: bool) -> bool:
+            made = super().create(key, value, replace=replace)
+            if hook:
+                hook.pop()()  # The other router's create lands between ours and our count.
+            return made
+
+    store = Racing()
+    view = RuntimeAdapters(store, "app", ["m"])
+    assert view.add("m", LoraAdapter("x", "/x"), replace=False, limit=2) == "added"
+    racer = RuntimeAdapters(store, "app", ["m"])
+    results: list[str] = []
+    hook.append(
+        lambda: results.append(racer.add("m", LoraAdapter("z", "/z"), replace=False, limit=2))
+    )
+    results.append(view.add("m", LoraAdapter("y", "/y"), replace=False, limit=2))
+    assert len(store.keys(b"lora/app/m/")) <= 2
+    # Here the racer counted while both keys were in and backed out; ours then fit.
+    assert results == ["full", "added"]
+    assert sorted(store.keys(b"lora/app/m/")) == [b"lora/app/m/x", b"lora/app/m/y"]
+
+
+async def test_batch_lines_see_adapters_loaded_through_another_router(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    from serve_app.batch_api.service import BatchService
+    from serve_app.batch_api.store import BatchStore
+
+    store, engine = MemoryStore(), FakeEngine()
+    first, second = _router(store, engine), _router(store, engine)
+    await second.fresh()  # Looked before the load; its view is fresh for REFRESH_S.
+    await AdapterAdmin(first, SecurityConfig()).load(_load("sql"), "")
+    config = next(iter(second)).config
+    line = {"model": "sql", "prompt": "hi", "max_tokens": 1}
+    unrefreshed = BatchService(second.serving, config, BatchStore(tmp_path / "a"))
+    refreshed = BatchService(
+        second.serving, config, BatchStore(tmp_path / "b"), refresh=second.fresh
+    )
+    monkeypatch.setattr(adapters, "REFRESH_S", 0.0)
+    _, body = await unrefreshed._call("/v1/completions", line)
+    assert body["error"]["code"] == "model_not_found"
+    _, body = await refreshed._call("/v1/completions", line)  # Fails later, at the fake engine.
+    assert body["error"]["code"] != "model_not_found", body
