@@ -144,3 +144,21 @@ def test_the_two_model_production_example_validates() -> None:
     assert set(chat.model.lora_adapters) == {"sql-helper", "support-tone"}
     assert chat.engine.vllm_args["max_loras"] == 2 and not coder.model.lora_adapters
     assert (chat.engine.max_replicas, coder.engine.max_replicas) == (2, 1)
+
+
+def test_the_awq_production_example_validates() -> None:
+    """One GPU per replica, INT4 weights through vllm_args (checked against the installed
+    vLLM's EngineArgs), autoscaling 1..8."""
+    from pathlib import Path
+
+    from serve_app.engine.engine_args import engine_args
+    from serve_app.launch import load_serve_config
+
+    path = Path(__file__).resolve().parents[2] / "serve_config.awq.yaml"
+    config = AppConfig.model_validate(load_serve_config(path)["applications"][0]["args"])
+    assert config.model.name == "Qwen/Qwen2.5-7B-Instruct-AWQ"
+    assert config.engine.world_size == 1
+    assert config.engine.placement()[0] == [{"CPU": 1, "GPU": 1}]
+    args = engine_args(config, "/models/qwen2.5-7b-instruct-awq")
+    assert (args["quantization"], args["dtype"]) == ("awq_marlin", "float16")
+    assert (config.engine.min_replicas, config.engine.max_replicas) == (1, 8)
