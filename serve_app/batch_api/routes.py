@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from serve_app.batch_api.input import parse_input
 from serve_app.batch_api.service import ENDPOINTS, BatchService
 from serve_app.batch_api.store import BatchStore, new_id
+from serve_app.batch_api.window import window_seconds
 from serve_app.config import AppConfig
 from serve_app.errors import APIError
 from serve_app.ingress.tenancy import tenant_of
@@ -153,8 +154,7 @@ async def create_batch(body: BatchCreate, request: Request) -> JSONResponse:
     svc = service()
     if body.endpoint not in ENDPOINTS:
         raise APIError(f"endpoint must be one of {', '.join(ENDPOINTS)}.", param="endpoint")
-    if body.completion_window != "24h":
-        raise APIError("completion_window must be 24h.", param="completion_window")
+    window_s = window_seconds(body.completion_window)
     _file(body.input_file_id, request)
     content = await asyncio.to_thread(svc.store.file_content, body.input_file_id)
     parsed = parse_input(content, body.endpoint)
@@ -170,7 +170,7 @@ async def create_batch(body: BatchCreate, request: Request) -> JSONResponse:
         "output_file_id": None,
         "error_file_id": None,
         "created_at": now,
-        "expires_at": now + 24 * 3600,
+        "expires_at": now + window_s,
         "request_counts": {"total": parsed.total, "completed": 0, "failed": 0},
         "metadata": body.metadata,
     }

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from serve_app.batch_api.input import parse_input
 from serve_app.batch_api.store import BatchStore, new_id
+from serve_app.batch_api.window import expired_line
 from serve_app.config import AppConfig
 from serve_app.errors import APIError, ErrorInfo, backend_error
 from serve_app.openai import chat, completions
@@ -92,7 +93,15 @@ class BatchService:
             self._record_rejected(batch_id, parsed.rejected)
             if batch["status"] == "validating":
                 store.update_batch(batch_id, status="in_progress", in_progress_at=_now())
-            await self._process(batch_id, batch["endpoint"], parsed.lines, parsed.total)
+            # Batches from before windows were kept have none: OpenAI's 24 h.
+            expires_at = batch.get("expires_at") or batch["created_at"] + 24 * 3600
+            work = self._process(batch_id, batch["endpoint"], parsed.lines, parsed.total)
+            try:
+                await asyncio.wait_for(work, max(0.0, expires_at - time.time()))
+            except TimeoutError:  # Lines in flight are cancelled (their engine requests too).
+                self._expire(batch_id, parsed.lines, batch.get("completion_window", "24h"))
+                self._finish(batch_id, "expired", "expired_at")
+                return
             store.update_batch(batch_id, status="finalizing", finalizing_at=_now())
             self._finish(batch_id, "completed", "completed_at")
         except asyncio.CancelledError:
@@ -126,13 +135,7 @@ class BatchService:
         self, batch_id: str, endpoint: str, lines: list[dict[str, Any]], total: int
     ) -> None:
         store = self.store
-        # Lines that ran (a rejected line's custom_id may duplicate one that runs).
-        done = {
-            line["custom_id"]
-            for kind in ("output", "error")
-            for line in store.read_partial(batch_id, kind)
-            if line.get("response") is not None
-        }
+        done = self._settled(batch_id)
         counts = self._counts(batch_id, total)
         todo = [line for line in lines if line["custom_id"] not in done]
         semaphore = asyncio.Semaphore(self.max_in_flight)
@@ -153,6 +156,25 @@ class BatchService:
             store.update_batch(batch_id, request_counts=dict(counts))
 
         await asyncio.gather(*(one(line) for line in todo))
+
+    def _expire(self, batch_id: str, lines: list[dict[str, Any]], window: str) -> None:
+        """Every line that has not run becomes a ``batch_expired`` error line (once)."""
+        settled = self._settled(batch_id)
+        for line in lines:
+            if line["custom_id"] not in settled:
+                record = expired_line(new_id("batch_req"), line["custom_id"], window)
+                self.store.append_partial(batch_id, "error", record)
+
+    def _settled(self, batch_id: str) -> set[str]:
+        """custom_ids of lines that ran, or expired (a rejected line's custom_id may duplicate
+        one that runs: it has no response)."""
+        return {
+            record["custom_id"]
+            for kind in ("output", "error")
+            for record in self.store.read_partial(batch_id, kind)
+            if record.get("response") is not None
+            or (record.get("error") or {}).get("code") == "batch_expired"
+        }
 
     def _counts(self, batch_id: str, total: int) -> dict[str, int]:
         ok = len(self.store.read_partial(batch_id, "output"))

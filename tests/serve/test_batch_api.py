@@ -233,6 +233,38 @@ def test_completions_endpoint_list_and_cancel(bclient: OpenAI) -> None:
     assert cancelled.request_counts is not None and cancelled.request_counts.completed < 64
 
 
+def test_a_batch_past_its_completion_window_ends_expired(bclient: OpenAI) -> None:
+    """A 10-second window on a batch that needs about a minute: what finished is in the
+    output file, the rest are batch_expired error lines (OpenAI's semantics), each once."""
+    quick = [chat_line(f"e-quick-{i}", f"Say the number {i}.", max_tokens=2) for i in range(3)]
+    slow = [
+        chat_line(f"e-slow-{i}", "Write a long story.", max_tokens=1000, ignore_eos=True)
+        for i in range(12)
+    ]
+    upload = bclient.files.create(file=("e.jsonl", jsonl(quick + slow)), purpose="batch")
+    batch = bclient.batches.create(
+        input_file_id=upload.id,
+        endpoint="/v1/chat/completions",
+        completion_window="10s",  # type: ignore[arg-type]  # OpenAI's own API takes 24h only.
+    )
+    assert batch.expires_at is not None and batch.expires_at - batch.created_at == 10
+    done = wait_done(bclient, batch.id, timeout=120)
+    assert done.status == "expired" and done.expired_at is not None
+    outputs = by_custom_id(bclient, done.output_file_id)
+    errors = by_custom_id(bclient, done.error_file_id)
+    assert set(outputs) == {line["custom_id"] for line in quick}
+    assert set(errors) == {line["custom_id"] for line in slow}
+    assert {e["error"]["code"] for e in errors.values()} == {"batch_expired"}
+    assert done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (3, 12)
+    with pytest.raises(BadRequestError, match="completion_window"):
+        bclient.batches.create(
+            input_file_id=upload.id,
+            endpoint="/v1/chat/completions",
+            completion_window="48h",  # type: ignore[arg-type]
+        )
+
+
 def test_resume_after_restart(bclient: OpenAI, batch_server: tuple[str, Path]) -> None:
     """A batch left in_progress with partial output finishes the rest once, on attach."""
     _, root = batch_server

@@ -138,3 +138,72 @@ def test_a_store_from_before_owners_opens_as_one_tenant(tmp_path: Path) -> None:
     store = BatchStore(tmp_path)
     assert store.get_file("file-1", "") == {"id": "file-1"}
     assert store.get_file("file-1", "alice") is None
+
+
+def test_completion_windows_up_to_a_day() -> None:
+    from serve_app.batch_api.window import expired_line, window_seconds
+    from serve_app.errors import APIError
+
+    assert [window_seconds(w) for w in ("24h", "1h", "30m", "90s")] == [86400, 3600, 1800, 90]
+    for bad in ("25h", "0s", "1d", "24 h", "", "01h", "1000000s"):
+        with pytest.raises(APIError) as caught:
+            window_seconds(bad)
+        assert caught.value.info.param == "completion_window", bad
+    line = expired_line("batch_req_1", "row-7", "30m")
+    assert line["custom_id"] == "row-7" and line["response"] is None
+    assert line["error"]["code"] == "batch_expired" and "30m" in line["error"]["message"]
+
+
+async def test_a_batch_past_its_window_expires_with_what_finished(tmp_path: Path) -> None:
+    """Pure logic with a stand-in serving: quick lines finish, slow ones are cut at the
+    window and become batch_expired error lines, each custom_id once."""
+    import asyncio
+    import time
+
+    from serve_app.batch_api.service import BatchService
+    from serve_app.batch_api.store import BatchStore
+    from serve_app.config import AppConfig
+
+    store = BatchStore(tmp_path)
+    started: list[str] = []
+    cancelled: list[str] = []
+
+    service = BatchService(lambda model: None, AppConfig(), store)  # type: ignore[arg-type,return-value]
+
+    async def call(endpoint: str, body: dict, owner: str = "") -> tuple[int, dict]:
+        content = body["messages"][0]["content"]
+        started.append(content)
+        try:
+            await asyncio.sleep(0 if content.startswith("quick") else 30)
+        except asyncio.CancelledError:
+            cancelled.append(content)
+            raise
+        return 200, {"id": f"chatcmpl-{content}"}
+
+    service._call = call  # type: ignore[method-assign]
+    lines = [
+        {"custom_id": f"{kind}-{i}", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "m", "messages": [{"role": "user", "content": f"{kind}-{i}"}]}}
+        for kind in ("quick", "slow") for i in range(3)
+    ]  # fmt: skip
+    upload = store.create_file(
+        "".join(json.dumps(line) + "\n" for line in lines).encode(), "in.jsonl", "batch"
+    )
+    now = int(time.time())
+    batch = {
+        "id": "batch-w", "object": "batch", "endpoint": "/v1/chat/completions",
+        "input_file_id": upload["id"], "completion_window": "1s", "status": "validating",
+        "created_at": now, "expires_at": time.time() + 0.5,
+        "request_counts": {"total": 6, "completed": 0, "failed": 0},
+    }  # fmt: skip
+    store.save_batch(batch)
+    await service._run("batch-w")
+    done = store.get_batch("batch-w")
+    assert done is not None and done["status"] == "expired" and done["expired_at"]
+    assert sorted(cancelled) == ["slow-0", "slow-1", "slow-2"]
+    outputs = [json.loads(x) for x in store.file_content(done["output_file_id"]).splitlines()]
+    errors = [json.loads(x) for x in store.file_content(done["error_file_id"]).splitlines()]
+    assert sorted(o["custom_id"] for o in outputs) == ["quick-0", "quick-1", "quick-2"]
+    assert sorted(e["custom_id"] for e in errors) == ["slow-0", "slow-1", "slow-2"]
+    assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+    assert done["request_counts"] == {"total": 6, "completed": 3, "failed": 3}
