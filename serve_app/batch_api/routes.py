@@ -93,11 +93,16 @@ async def create_file(
 ) -> JSONResponse:
     if purpose != "batch":
         raise APIError("Only purpose=batch is supported.", param="purpose")
-    content = await file.read()
     name = file.filename or "upload.jsonl"
-    stored = await asyncio.to_thread(
-        service().store.create_file, content, name, purpose, tenant_of(request)
-    )
+    # Starlette spooled the upload to a temporary file as it arrived (the middleware streams
+    # this route's body, within batch_api.max_file_bytes); copied to the store in a thread.
+    await file.seek(0)
+    try:
+        stored = await asyncio.to_thread(
+            service().store.create_file_from, file.file, name, purpose, tenant_of(request)
+        )
+    finally:
+        await file.close()
     return JSONResponse(stored)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from serve_app.config.app import AppConfig, TracingConfig
 from serve_app.config.autoscaling import EngineAutoscalingConfig
+from serve_app.config.batch_api import BatchApiConfig
 from serve_app.config.engine import EngineConfig
 from serve_app.config.fair_share import FairShareConfig
 from serve_app.config.model import GenerationDefaults, ModelConfig
@@ -17,6 +18,7 @@ from serve_app.config.security import KeyRateLimit, RequestLimits, SecurityConfi
 
 __all__ = [
     "AppConfig",
+    "BatchApiConfig",
     "EngineAutoscalingConfig",
     "EngineConfig",
     "FairShareConfig",

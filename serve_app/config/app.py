@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from serve_app.config.base import StrictModel
+from serve_app.config.batch_api import BatchApiConfig
 from serve_app.config.engine import EngineConfig
 from serve_app.config.model import ModelConfig
 from serve_app.config.replicas import PreprocessorConfig, ReplicaConfig
@@ -77,6 +78,9 @@ class AppConfig(StrictModel):
     router: ReplicaConfig = Field(default_factory=ReplicaConfig)
     tracing: TracingConfig = Field(
         default_factory=TracingConfig, description="OpenTelemetry traces across all hops."
+    )
+    batch_api: BatchApiConfig = Field(
+        default_factory=BatchApiConfig, description="The Batch API's file uploads."
     )
     request_timeout_s: float = Field(
         600,

@@ -25,13 +25,21 @@ from serve_app.ingress.ratelimit import (
     RayRateLimiter,
     TokenBucket,
 )
-from serve_app.ingress.request_body import header, read_body, replay_body, send_error
+from serve_app.ingress.request_body import (
+    header,
+    read_body,
+    replay_body,
+    send_error,
+    stream_within,
+)
 from serve_app.openai.charging import charge_of_body
 
 logger = logging.getLogger("serve_app.security")
 
 # Everything else needs a key when keys are configured (default deny, not just /v1/*).
 OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+# Uploads: streamed to the route (which spools them to disk), under their own limit.
+UPLOAD_PATHS = frozenset({"/v1/files"})
 LIMITER_NAME = "serve_app_rate_limiter"
 
 
@@ -41,6 +49,7 @@ class SecurityState:
     keys: KeyRing
     limiter: RateLimitBackend | None = None
     open_paths: TokenBucket | None = None  # /health and the docs: a local budget, no key.
+    max_upload_bytes: int = 200 * 1024 * 1024  # POST to UPLOAD_PATHS (batch_api.max_file_bytes).
 
     def __post_init__(self) -> None:
         if self.open_paths is None:
@@ -51,13 +60,19 @@ _state: SecurityState | None = None
 
 
 def configure(
-    config: SecurityConfig, *, app_name: str, environ: Mapping[str, str] | None = None
+    config: SecurityConfig,
+    *,
+    app_name: str,
+    environ: Mapping[str, str] | None = None,
+    max_upload_bytes: int | None = None,
 ) -> SecurityState:
     """Load keys and pick the limiter for this replica; raises ValueError on bad key sources."""
     global _state
     limiter = RayRateLimiter(f"{LIMITER_NAME}.{app_name}") if config.rate_limited else None
     _state = SecurityState(config, load_keys(config, os.environ if environ is None else environ))
     _state.limiter = limiter
+    if max_upload_bytes is not None:
+        _state.max_upload_bytes = max_upload_bytes
     return _state
 
 
@@ -112,10 +127,17 @@ class SecurityMiddleware:
             return
         if name is not None:
             scope.setdefault("state", {})["api_key_name"] = name
+        path = route_path(scope)
+        limited = state.limiter is not None and path not in OPEN_PATHS
+        if scope.get("method") == "POST" and path in UPLOAD_PATHS:
+            # Charged as a request (an upload spends no engine tokens), never buffered here.
+            if limited and not await self._charge(scope, send, state, name or "anonymous", b""):
+                return
+            await stream_within(self.app, scope, receive, send, state.max_upload_bytes)
+            return
         body = await read_body(scope, receive, send, state.config.max_body_bytes)
         if body is None:
             return
-        limited = state.limiter is not None and route_path(scope) not in OPEN_PATHS
         if limited and not await self._charge(scope, send, state, name or "anonymous", body):
             return
         await self.app(scope, replay_body(body, receive), send)

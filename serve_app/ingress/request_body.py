@@ -1,4 +1,5 @@
-"""The request body at the ASGI level: read within a size limit (413 otherwise), replayed.
+"""The request body at the ASGI level: read within a size limit (413 otherwise), replayed; or,
+for uploads, streamed through to the route within its own limit.
 
 Before a 413 the rest of the body is read and dropped, within bounds: a server that closes its
 socket with request bytes unread makes the kernel send a reset, which can destroy the 413 before
@@ -11,7 +12,7 @@ import asyncio
 import contextlib
 import json
 
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from serve_app.errors import ErrorInfo
 
@@ -117,3 +118,39 @@ def _header_int(value: bytes | None) -> int | None:
         return int(value) if value is not None else None
     except ValueError:
         return None
+
+
+async def stream_within(
+    app: ASGIApp, scope: Scope, receive: Receive, send: Send, limit: int
+) -> None:
+    """Run ``app`` on the body as it arrives (never buffered here), within ``limit`` bytes.
+
+    Past the limit the app sees the client go away, and the client gets the 413; whatever the
+    app answers after that is dropped (it answers a body it could not read).
+    """
+    declared = _header_int(header(scope, b"content-length"))
+    if declared is not None and declared > limit:
+        await _reject_declared_too_large(scope, receive, send, limit, declared)
+        return
+    size, rejected = 0, False
+
+    async def counted() -> Message:
+        nonlocal size, rejected
+        if rejected:
+            return {"type": "http.disconnect"}
+        message = await receive()
+        if message["type"] == "http.request":
+            size += len(message.get("body", b""))
+            if size > limit:
+                rejected = True
+                if message.get("more_body", False):
+                    await _drain(receive)
+                await send_error(send, _too_large(limit), [(b"connection", b"close")])
+                return {"type": "http.disconnect"}
+        return message
+
+    async def answer(message: Message) -> None:
+        if not rejected:
+            await send(message)
+
+    await app(scope, counted, answer)

@@ -85,7 +85,11 @@ class Router:
         """``backends``: per served model name, its ``preprocessor`` and ``engine`` handles."""
         self.config = AppConfig.model_validate(config)
         app_name = serve.get_replica_context().app_name
-        configure(self.config.security, app_name=app_name)
+        configure(
+            self.config.security,
+            app_name=app_name,
+            max_upload_bytes=self.config.batch_api.max_file_bytes,
+        )
         tracing.configure(self.config.tracing.exporter)
         self.metrics = RouterMetrics(app_name)
         self.backends = ModelBackends(

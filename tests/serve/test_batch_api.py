@@ -304,3 +304,34 @@ def test_wired_into_the_serve_app(base_url: str, client: OpenAI) -> None:
     )
     done = wait_done(client, batch.id)
     assert done.status == "completed" and set(by_custom_id(client, done.output_file_id)) == {"w"}
+
+
+def test_a_100_mb_upload_streams_past_the_2_mib_body_limit(base_url: str, client: OpenAI) -> None:
+    """The Serve app keeps security.max_body_bytes (2 MiB) for every other route; an upload
+    streams to disk under batch_api.max_file_bytes, and downloads stream back. The router's
+    own memory (USS) is printed, not asserted: Serve's proxy forwards a request body without
+    flow control, so how much of it reaches the router at once is Serve's doing."""
+    import psutil
+
+    from tests.serve.conftest import APP
+    from tests.serve.test_scale_survive import _replica_pids
+
+    row = json.dumps(chat_line("row", "Summarize: " + "lorem ipsum " * 80)) + "\n"
+    content = row.encode() * (100 * 1024 * 1024 // len(row))
+    routers = [psutil.Process(pid) for pid in _replica_pids(APP, "Router")]
+
+    def own() -> int:
+        return sum(p.memory_full_info().uss for p in routers)
+
+    before = own()
+    upload = client.files.create(file=("big.jsonl", content), purpose="batch")
+    grown = own() - before
+    assert upload.bytes == len(content) > 100_000_000
+    print(f"\n{len(content) / 1e6:.0f} MB uploaded; router USS grew {grown / 1e6:.1f} MB")
+    with httpx.stream("GET", f"{base_url}/v1/files/{upload.id}/content", timeout=120) as got:
+        assert got.status_code == 200
+        assert sum(len(chunk) for chunk in got.iter_bytes()) == len(content)
+    client.files.delete(upload.id)
+    too_big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 3_000_000}]}
+    response = httpx.post(f"{base_url}/v1/chat/completions", json=too_big, timeout=60)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"

@@ -593,3 +593,52 @@ async def test_oversized_body_is_not_pulled_when_huge_or_awaiting_continue() -> 
     headers = [(b"content-length", b"4000"), (b"expect", b"100-continue")]
     await middleware(_scope(headers), waiting.receive, waiting.send)
     assert (waiting.status, waiting.unread_at_response) == (413, 40)
+
+
+def _upload_app(seen: list[int]) -> Starlette:
+    async def upload(request: Request) -> JSONResponse:
+        size = 0
+        try:
+            async for chunk in request.stream():
+                seen.append(len(chunk))
+                size += len(chunk)
+        except Exception:  # The client went away (here: past the limit).
+            return JSONResponse({"error": "read failed"}, status_code=400)
+        return JSONResponse({"bytes": size})
+
+    return Starlette(routes=[Route("/v1/files", upload, methods=["POST"])])
+
+
+class _Responses(_Upload):
+    def __init__(self, chunks: int, chunk_bytes: int) -> None:
+        super().__init__(chunks, chunk_bytes)
+        self.starts: list[int] = []
+
+    async def send(self, message: Message) -> None:
+        await super().send(message)
+        if message["type"] == "http.response.start":
+            self.starts.append(message["status"])
+
+
+async def test_uploads_stream_to_the_route_under_their_own_limit() -> None:
+    """POST /v1/files: not buffered by the middleware (the route sees the client's chunks as
+    they come), bounded by max_upload_bytes instead of max_body_bytes."""
+    config = SecurityConfig(max_body_bytes=1024)
+    state = SecurityState(config, load_keys(config, ENV), max_upload_bytes=10_000)
+    seen: list[int] = []
+    middleware = SecurityMiddleware(_upload_app(seen), state=state)
+    scope = _scope([]) | {"path": "/v1/files"}
+    fits = _Responses(chunks=50, chunk_bytes=100)  # 5,000 bytes: over max_body_bytes.
+    await middleware(scope, fits.receive, fits.send)
+    assert fits.starts == [200] and [n for n in seen if n] == [100] * 50
+    over = _Responses(chunks=200, chunk_bytes=100)  # 20,000 bytes, no Content-Length.
+    await middleware(scope, over.receive, over.send)
+    assert over.starts == [413] and over.unread_at_response == 0  # The route's 400 dropped.
+    declared = _Responses(chunks=200, chunk_bytes=100)
+    scope = _scope([(b"content-length", b"20000")]) | {"path": "/v1/files"}
+    seen.clear()
+    await middleware(scope, declared.receive, declared.send)
+    assert declared.starts == [413] and seen == []  # Refused before the route ran.
+    other = _Responses(chunks=50, chunk_bytes=100)  # Every other route: max_body_bytes.
+    await middleware(_scope([]), other.receive, other.send)
+    assert other.starts == [413]
