@@ -21,7 +21,7 @@ from . import (
     prepare,
     resolve_model,
 )
-from .lora_adapter import build_lora_adapter
+from .lora_adapter import ALL_TARGETS, build_lora_adapter
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,6 +41,12 @@ def _parser() -> argparse.ArgumentParser:
     lora.add_argument("out", metavar="DIR", help="the adapter directory to write")
     lora.add_argument("--seed", type=int, default=1, help="different seeds, different adapters")
     lora.add_argument("--rank", type=int, default=8, help="LoRA rank (vLLM's max_lora_rank: 16)")
+    lora.add_argument(
+        "--all-layers",
+        action="store_true",
+        help="change every linear layer (attention and MLP), as most fine-tunes do; default: "
+        "v_proj and o_proj",
+    )
     return parser
 
 
@@ -66,7 +72,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _list()
         if args.command == "lora":
             base = resolve_model(args.base)
-            print(build_lora_adapter(base, args.out, seed=args.seed, rank=args.rank))
+            targets = ALL_TARGETS if args.all_layers else ("v_proj", "o_proj")
+            out = build_lora_adapter(
+                base, args.out, seed=args.seed, rank=args.rank, targets=targets
+            )
+            print(out)
             return 0
         return _prepare(args.aliases, args.force)
     except (UnknownModelError, ModelSourceMissingError) as exc:

@@ -248,3 +248,13 @@ def test_report_writes_markdown_png_json(tmp_path: Path) -> None:
     assert r["ours / ray.serve.llm TTFT p50 at c=1"] is None or math.isnan(
         r["ours / ray.serve.llm TTFT p50 at c=1"]
     )
+
+
+def test_lora_cost_phases_name_their_models() -> None:
+    from loadtest.lora_cost import ADAPTERS, bodies
+
+    mixed = bodies("mixed", "base", 6, 8, offset=0)
+    assert [b["model"] for b in mixed] == ["base", *ADAPTERS] * 2
+    assert {b["model"] for b in bodies("adapter", "base", 4, 8, 0)} == {ADAPTERS[0]}
+    prompts = [b["messages"][0]["content"] for b in bodies("base", "base", 50, 8, 100)]
+    assert len(set(prompts)) == 50 and all(b["ignore_eos"] for b in mixed)

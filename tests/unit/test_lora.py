@@ -26,7 +26,7 @@ from serve_app.hops import (
     SamplingSpec,
     TokenizedPrompt,
 )
-from serve_app.models.lora_adapter import build_lora_adapter
+from serve_app.models.lora_adapter import ALL_TARGETS, build_lora_adapter
 from serve_app.openai.serving import OpenAIServing, RequestStats
 from serve_app.preprocess.block_hashes import block_hashes
 
@@ -99,6 +99,16 @@ def test_the_builder_writes_a_peft_adapter_a_build_accepts(tmp_path: Path) -> No
     assert (again / "adapter_model.safetensors").read_bytes() == (
         out / "adapter_model.safetensors"
     ).read_bytes()
+    # Every linear layer, as most fine-tunes (and the LoRA cost benchmark's adapters).
+    config = json.loads((base / "config.json").read_text()) | {"intermediate_size": 96}
+    (base / "config.json").write_text(json.dumps(config))
+    full = build_lora_adapter(base, tmp_path / "full", seed=3, rank=4, targets=ALL_TARGETS)
+    tensors = load_file(str(full / "adapter_model.safetensors"))
+    assert len(tensors) == 2 * 7 * 2
+    assert tensors["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"].shape == (4, 96)
+    assert json.loads((full / "adapter_config.json").read_text())["target_modules"] == list(
+        ALL_TARGETS
+    )
 
 
 def test_a_directory_without_adapter_config_fails_the_check(tmp_path: Path) -> None:
