@@ -62,6 +62,7 @@ class BatchService:
         if self._resumed:
             return
         self._resumed = True
+        self.store.sweep_partials()
         for batch in self.store.active_batches():
             logger.info("Resuming batch %s (%s)", batch["id"], batch["status"])
             if batch["status"] == "cancelling":
@@ -223,12 +224,15 @@ class BatchService:
         request.priority = max(self.priority, request.priority)
 
     def _finish(self, batch_id: str, status: str, stamp: str) -> None:
-        batch = self.store.get_batch(batch_id)
+        """Publish the files, record them with the final status, then drop the partials: a
+        crash at any point resumes without running a finished line again."""
+        store = self.store
+        batch = store.get_batch(batch_id)
         assert batch is not None
         counts = self._counts(batch_id, batch["request_counts"]["total"])
-        output = self.store.finish_partial(batch_id, "output", "batch_output")
-        error = self.store.finish_partial(batch_id, "error", "batch_output")
-        self.store.update_batch(
+        output = store.publish_partial(batch_id, "output", "batch_output")
+        error = store.publish_partial(batch_id, "error", "batch_output")
+        store.update_batch(
             batch_id,
             status=status,
             output_file_id=output,
@@ -236,6 +240,7 @@ class BatchService:
             request_counts=counts,
             **{stamp: _now()},
         )
+        store.drop_partials(batch_id)
 
 
 def _now() -> int:

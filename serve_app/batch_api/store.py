@@ -75,11 +75,18 @@ class BatchStore:
         return self.create_file_from(io.BytesIO(content), filename, purpose, owner)
 
     def create_file_from(
-        self, source: BinaryIO, filename: str, purpose: str, owner: str = ""
+        self,
+        source: BinaryIO,
+        filename: str,
+        purpose: str,
+        owner: str = "",
+        *,
+        file_id: str | None = None,
     ) -> dict[str, Any]:
         """Copy ``source`` in chunks (an upload spooled to disk never passes through memory
-        whole), make it durable, then record it: a crash leaves no row without its file."""
-        file_id = new_id("file")
+        whole), make it durable, then record it: a crash leaves no row without its file.
+        ``file_id``: replace that file (a batch's output, published again after a crash)."""
+        file_id = file_id or new_id("file")
         path = self.file_path(file_id)
         tmp = path.with_suffix(".tmp")
         with tmp.open("wb") as out:
@@ -88,6 +95,7 @@ class BatchStore:
             out.flush()
             os.fsync(out.fileno())
         tmp.replace(path)
+        _fsync_dir(path.parent)  # The rename itself survives a power cut.
         file: dict[str, Any] = {
             "id": file_id,
             "object": "file",
@@ -99,7 +107,7 @@ class BatchStore:
         }
         with self._lock, self._db:
             self._db.execute(
-                "INSERT INTO files (id, created_at, data, owner) VALUES (?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO files (id, created_at, data, owner) VALUES (?, ?, ?, ?)",
                 (file["id"], file["created_at"], json.dumps(file), owner),
             )
         return file
@@ -207,16 +215,40 @@ class BatchStore:
         with self._lock, self.partial_path(batch_id, kind).open("a") as handle:
             handle.write(json.dumps(line) + "\n")
 
-    def finish_partial(self, batch_id: str, kind: str, purpose: str) -> str | None:
-        """Turn a partial file into a stored file; its id, or None when it has no lines."""
+    def publish_partial(self, batch_id: str, kind: str, purpose: str) -> str | None:
+        """Store a partial file's lines as the batch's ``kind`` file (durable before it is
+        recorded) and return its id; None when it has no lines. The partial stays until
+        ``drop_partials``: a crash before the batch records the file resumes from it, and
+        publishing again replaces the file under the same id (no orphan copies)."""
         path = self.partial_path(batch_id, kind)
-        content = path.read_bytes() if path.exists() else b""
-        file_id = None
-        if content:  # The batch's owner may download it; no other key may.
-            name, owner = f"{batch_id}_{kind}.jsonl", self.batch_owner(batch_id)
-            file_id = self.create_file(content, name, purpose, owner)["id"]
-        path.unlink(missing_ok=True)
+        if not path.exists() or path.stat().st_size == 0:
+            return None
+        file_id = f"file-{batch_id.removeprefix('batch-')}-{kind}"
+        name, owner = f"{batch_id}_{kind}.jsonl", self.batch_owner(batch_id)
+        with path.open("rb") as source:  # The batch's owner may download it; no other key may.
+            self.create_file_from(source, name, purpose, owner, file_id=file_id)
         return file_id
+
+    def drop_partials(self, batch_id: str) -> None:
+        """Once the batch has recorded its files."""
+        for kind in ("output", "error"):
+            self.partial_path(batch_id, kind).unlink(missing_ok=True)
+
+    def sweep_partials(self) -> None:
+        """Drop partials left by a crash after their batch recorded its files."""
+        active = {batch["id"] for batch in self.active_batches()}
+        for path in self.root.glob("*.partial"):
+            batch_id = path.name.split(".", 1)[0]
+            if batch_id not in active:
+                path.unlink(missing_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _owned(query: str, params: list[Any], owner: str | None) -> tuple[str, list[Any]]:

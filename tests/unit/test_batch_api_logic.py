@@ -79,8 +79,12 @@ def test_batch_store_files_pagination_and_partials(tmp_path: Path) -> None:
     assert store.read_partial("batch-1", "output") == [{"custom_id": "a"}]
     store.append_partial("batch-1", "output", {"custom_id": "c"})
     assert len(store.read_partial("batch-1", "output")) == 2
-    out = store.finish_partial("batch-1", "output", "batch_output")
+    out = store.publish_partial("batch-1", "output", "batch_output")
     assert out is not None and store.file_content(out).count(b"\n") == 2
+    assert store.publish_partial("batch-1", "output", "batch_output") == out  # Idempotent.
+    assert store.publish_partial("batch-1", "error", "batch_output") is None  # No lines.
+    store.drop_partials("batch-1")
+    assert not store.partial_path("batch-1", "output").exists()
     assert store.delete_file(file["id"]) and store.get_file(file["id"]) is None
 
 
@@ -118,7 +122,7 @@ def test_files_and_batches_belong_to_their_key(tmp_path: Path) -> None:
     assert [b["id"] for b in store.list_batches("batch-3", 10, "bob")[0]] == ["batch-1"]
     assert len(store.list_batches(None, 10)[0]) == 4  # The service's own view: every batch.
     store.append_partial("batch-2", "output", {"custom_id": "a"})
-    out = store.finish_partial("batch-2", "output", "batch_output")
+    out = store.publish_partial("batch-2", "output", "batch_output")
     assert out is not None and store.get_file(out, "alice") and store.get_file(out, "bob") is None
 
 
@@ -207,3 +211,60 @@ async def test_a_batch_past_its_window_expires_with_what_finished(tmp_path: Path
     assert sorted(e["custom_id"] for e in errors) == ["slow-0", "slow-1", "slow-2"]
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
     assert done["request_counts"] == {"total": 6, "completed": 3, "failed": 3}
+
+
+async def test_a_crash_while_finishing_runs_no_line_again(tmp_path: Path) -> None:
+    """Killed after publishing the output file, before the batch recorded it: the restarted
+    service runs nothing again and publishes under the same file id (no orphan copy)."""
+    from serve_app.batch_api.service import BatchService
+    from serve_app.batch_api.store import BatchStore
+    from serve_app.config import AppConfig
+
+    store = BatchStore(tmp_path)
+    calls: list[str] = []
+
+    async def call(endpoint: str, body: dict, owner: str = "") -> tuple[int, dict]:
+        calls.append(body["messages"][0]["content"])
+        return 200, {"id": "chatcmpl-x"}
+
+    lines = [
+        {"custom_id": f"c-{i}", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "m", "messages": [{"role": "user", "content": f"c-{i}"}]}}
+        for i in range(4)
+    ]  # fmt: skip
+    upload = store.create_file(
+        "".join(json.dumps(line) + "\n" for line in lines).encode(), "in.jsonl", "batch", "k"
+    )
+    batch = {
+        "id": "batch-crash", "object": "batch", "endpoint": "/v1/chat/completions",
+        "input_file_id": upload["id"], "completion_window": "24h", "status": "validating",
+        "created_at": 100, "expires_at": 10**10,
+        "request_counts": {"total": 4, "completed": 0, "failed": 0},
+    }  # fmt: skip
+    store.save_batch(batch, owner="k")
+    first = BatchService(lambda model: None, AppConfig(), store)  # type: ignore[arg-type,return-value]
+    first._call = call  # type: ignore[method-assign]
+    real_update = store.update_batch
+
+    def crash_on_record(batch_id: str, **fields: object) -> dict:
+        if "output_file_id" in fields:
+            raise SystemExit("killed")  # The process dies here.
+        return real_update(batch_id, **fields)
+
+    store.update_batch = crash_on_record  # type: ignore[method-assign]
+    with pytest.raises(SystemExit):
+        await first._run("batch-crash")
+    store.update_batch = real_update  # type: ignore[method-assign]
+    assert sorted(calls) == ["c-0", "c-1", "c-2", "c-3"]
+    restarted = BatchService(lambda model: None, AppConfig(), BatchStore(tmp_path))  # type: ignore[arg-type,return-value]
+    restarted._call = call  # type: ignore[method-assign]
+    await restarted._run("batch-crash")
+    done = restarted.store.get_batch("batch-crash")
+    assert done is not None and done["status"] == "completed"
+    assert len(calls) == 4  # Nothing ran twice.
+    outputs = restarted.store.file_content(done["output_file_id"]).splitlines()
+    assert sorted(json.loads(x)["custom_id"] for x in outputs) == ["c-0", "c-1", "c-2", "c-3"]
+    rows = restarted.store._db.execute("SELECT data FROM files").fetchall()
+    published = [json.loads(r[0])["id"] for r in rows if '"batch_output"' in r[0]]
+    assert published == [done["output_file_id"]]
+    assert not restarted.store.partial_path("batch-crash", "output").exists()
