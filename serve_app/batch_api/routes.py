@@ -106,8 +106,8 @@ async def create_file(
     return JSONResponse(stored)
 
 
-def _file(file_id: str, request: Request) -> dict[str, Any]:
-    found = service().store.get_file(file_id, tenant_of(request))
+async def _file(file_id: str, request: Request) -> dict[str, Any]:
+    found = await asyncio.to_thread(service().store.get_file, file_id, tenant_of(request))
     if found is None:
         raise not_found("file", file_id)
     return found
@@ -115,7 +115,7 @@ def _file(file_id: str, request: Request) -> dict[str, Any]:
 
 @router.get("/v1/files/{file_id}")
 async def retrieve_file(file_id: str, request: Request) -> JSONResponse:
-    return JSONResponse(_file(file_id, request))
+    return JSONResponse(await _file(file_id, request))
 
 
 DOWNLOAD_CHUNK = 256 * 1024
@@ -128,7 +128,7 @@ async def file_content(file_id: str, request: Request) -> Response:
     The file is opened before the response starts, so a delete meanwhile (the open handle
     outlives the name) cannot cut it short or turn it into a 500.
     """
-    _file(file_id, request)
+    await _file(file_id, request)
     try:
         handle = await asyncio.to_thread(service().store.file_path(file_id).open, "rb")
     except FileNotFoundError:
@@ -149,7 +149,7 @@ async def file_content(file_id: str, request: Request) -> Response:
 
 @router.delete("/v1/files/{file_id}")
 async def delete_file(file_id: str, request: Request) -> JSONResponse:
-    if not service().store.delete_file(file_id, tenant_of(request)):
+    if not await asyncio.to_thread(service().store.delete_file, file_id, tenant_of(request)):
         raise not_found("file", file_id)
     return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
@@ -160,9 +160,9 @@ async def create_batch(body: BatchCreate, request: Request) -> JSONResponse:
     if body.endpoint not in ENDPOINTS:
         raise APIError(f"endpoint must be one of {', '.join(ENDPOINTS)}.", param="endpoint")
     window_s = window_seconds(body.completion_window)
-    _file(body.input_file_id, request)
+    await _file(body.input_file_id, request)
     content = await asyncio.to_thread(svc.store.file_content, body.input_file_id)
-    parsed = parse_input(content, body.endpoint)
+    parsed = await asyncio.to_thread(parse_input, content, body.endpoint)
     now = int(time.time())
     batch: dict[str, Any] = {
         "id": new_id("batch"),
@@ -182,13 +182,13 @@ async def create_batch(body: BatchCreate, request: Request) -> JSONResponse:
     for stamp in ("in_progress_at", "finalizing_at", "completed_at", "failed_at"):
         batch[stamp] = None
     batch |= {"expired_at": None, "cancelling_at": None, "cancelled_at": None}
-    svc.store.save_batch(batch, owner=tenant_of(request))
+    await asyncio.to_thread(svc.store.save_batch, batch, owner=tenant_of(request))
     svc.start(batch["id"])
     return JSONResponse(batch)
 
 
-def _batch(batch_id: str, request: Request) -> dict[str, Any]:
-    found = service().store.get_batch(batch_id, tenant_of(request))
+async def _batch(batch_id: str, request: Request) -> dict[str, Any]:
+    found = await asyncio.to_thread(service().store.get_batch, batch_id, tenant_of(request))
     if found is None:
         raise not_found("batch", batch_id)
     return found
@@ -196,14 +196,16 @@ def _batch(batch_id: str, request: Request) -> dict[str, Any]:
 
 @router.get("/v1/batches/{batch_id}")
 async def retrieve_batch(batch_id: str, request: Request) -> JSONResponse:
-    return JSONResponse(_batch(batch_id, request))
+    return JSONResponse(await _batch(batch_id, request))
 
 
 @router.get("/v1/batches")
 async def list_batches(
     request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)
 ) -> JSONResponse:
-    data, has_more = service().store.list_batches(after, limit, tenant_of(request))
+    data, has_more = await asyncio.to_thread(
+        service().store.list_batches, after, limit, tenant_of(request)
+    )
     return JSONResponse(
         {
             "object": "list",
@@ -217,7 +219,7 @@ async def list_batches(
 
 @router.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(batch_id: str, request: Request) -> JSONResponse:
-    batch = _batch(batch_id, request)
+    batch = await _batch(batch_id, request)
     if batch["status"] not in ("validating", "in_progress"):
         raise APIError(f"Cannot cancel a batch that is {batch['status']}.", code="invalid_state")
     return JSONResponse(await service().cancel(batch_id))

@@ -30,6 +30,7 @@ logger = logging.getLogger("serve_app.batch_api")
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 BATCH_PRIORITY = 100  # vLLM: lower runs first; interactive requests default to 0.
+COUNTS_EVERY_S = 1.0  # How often a running batch's request_counts are written.
 
 
 class BatchService:
@@ -74,7 +75,9 @@ class BatchService:
         self._tasks[batch_id].add_done_callback(lambda _: self._tasks.pop(batch_id, None))
 
     async def cancel(self, batch_id: str) -> dict[str, Any]:
-        batch = self.store.update_batch(batch_id, status="cancelling", cancelling_at=_now())
+        batch = await asyncio.to_thread(
+            self.store.update_batch, batch_id, status="cancelling", cancelling_at=_now()
+        )
         self._cancelling.add(batch_id)
         task = self._tasks.get(batch_id)
         if task is not None:
@@ -84,36 +87,40 @@ class BatchService:
         return batch
 
     async def _run(self, batch_id: str) -> None:
-        store = self.store
+        # Every store call runs in a thread: file and SQLite work (fsync included) never
+        # holds up the loop that streams interactive responses.
+        store, io = self.store, asyncio.to_thread
         try:
             if batch_id in self._cancelling:
                 raise asyncio.CancelledError
-            batch = store.get_batch(batch_id)
+            batch = await io(store.get_batch, batch_id)
             assert batch is not None
-            parsed = parse_input(store.file_content(batch["input_file_id"]), batch["endpoint"])
-            self._record_rejected(batch_id, parsed.rejected)
+            content = await io(store.file_content, batch["input_file_id"])
+            parsed = await io(parse_input, content, batch["endpoint"])
+            await io(self._record_rejected, batch_id, parsed.rejected)
             if batch["status"] == "validating":
-                store.update_batch(batch_id, status="in_progress", in_progress_at=_now())
+                await io(store.update_batch, batch_id, status="in_progress", in_progress_at=_now())
             # Batches from before windows were kept have none: OpenAI's 24 h.
             expires_at = batch.get("expires_at") or batch["created_at"] + 24 * 3600
             work = self._process(batch_id, batch["endpoint"], parsed.lines, parsed.total)
             try:
                 await asyncio.wait_for(work, max(0.0, expires_at - time.time()))
             except TimeoutError:  # Lines in flight are cancelled (their engine requests too).
-                self._expire(batch_id, parsed.lines, batch.get("completion_window", "24h"))
-                self._finish(batch_id, "expired", "expired_at")
+                window = batch.get("completion_window", "24h")
+                await io(self._expire, batch_id, parsed.lines, window)
+                await io(self._finish, batch_id, "expired", "expired_at")
                 return
-            store.update_batch(batch_id, status="finalizing", finalizing_at=_now())
-            self._finish(batch_id, "completed", "completed_at")
+            await io(store.update_batch, batch_id, status="finalizing", finalizing_at=_now())
+            await io(self._finish, batch_id, "completed", "completed_at")
         except asyncio.CancelledError:
             if batch_id not in self._cancelling:
                 raise  # The replica is stopping: leave the batch active for the next one.
-            self._finish(batch_id, "cancelled", "cancelled_at")
+            await asyncio.shield(io(self._finish, batch_id, "cancelled", "cancelled_at"))
         except Exception as exc:
             logger.exception("Batch %s failed", batch_id)
             info = exc.info if isinstance(exc, APIError) else ErrorInfo(repr(exc), 500)
             errors = {"object": "list", "data": [{"code": info.code, "message": info.message}]}
-            store.update_batch(batch_id, status="failed", failed_at=_now(), errors=errors)
+            await io(store.update_batch, batch_id, status="failed", failed_at=_now(), errors=errors)
 
     def _record_rejected(self, batch_id: str, rejected: list[dict[str, Any]]) -> None:
         """Input lines that cannot run go to the error file once (also across a resume)."""
@@ -135,12 +142,16 @@ class BatchService:
     async def _process(
         self, batch_id: str, endpoint: str, lines: list[dict[str, Any]], total: int
     ) -> None:
-        store = self.store
-        done = self._settled(batch_id)
-        counts = self._counts(batch_id, total)
+        store, io = self.store, asyncio.to_thread
+        done = await io(self._settled, batch_id)
+        counts = await io(self._counts, batch_id, total)
         todo = [line for line in lines if line["custom_id"] not in done]
         semaphore = asyncio.Semaphore(self.max_in_flight)
-        owner = store.batch_owner(batch_id)  # Its lines share the engine as that key's.
+        owner = await io(store.batch_owner, batch_id)  # Its lines share the engine as its key's.
+        # Records being written: waited for even when the batch is cut short (cancel, expiry),
+        # so what comes next sees every line that ran, and no line is both done and not.
+        writes: set[asyncio.Future[None]] = set()
+        shown = dict(counts)
 
         async def one(line: dict[str, Any]) -> None:
             async with semaphore:
@@ -152,11 +163,26 @@ class BatchService:
                 "error": None,
             }
             kind = "output" if status == 200 else "error"
-            store.append_partial(batch_id, kind, record)
+            write = asyncio.ensure_future(io(store.append_partial, batch_id, kind, record))
+            writes.add(write)
+            write.add_done_callback(writes.discard)
+            await asyncio.shield(write)
             counts["completed" if status == 200 else "failed"] += 1
-            store.update_batch(batch_id, request_counts=dict(counts))
 
-        await asyncio.gather(*(one(line) for line in todo))
+        async def show_counts() -> None:  # At most one batch update a second, not one a line.
+            while True:
+                await asyncio.sleep(COUNTS_EVERY_S)
+                if counts != shown:
+                    shown.update(counts)
+                    await io(store.update_batch, batch_id, request_counts=dict(shown))
+
+        shower = asyncio.ensure_future(show_counts())
+        try:
+            await asyncio.gather(*(one(line) for line in todo))
+        finally:
+            shower.cancel()
+            if writes:
+                await asyncio.shield(asyncio.gather(*writes))
 
     def _expire(self, batch_id: str, lines: list[dict[str, Any]], window: str) -> None:
         """Every line that has not run becomes a ``batch_expired`` error line (once)."""

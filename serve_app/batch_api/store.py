@@ -197,6 +197,10 @@ class BatchStore:
 
     def read_partial(self, batch_id: str, kind: str) -> list[dict[str, Any]]:
         """Complete lines only; a torn last line from a crash is dropped (and rewritten)."""
+        with self._lock:  # Not while a line is being appended.
+            return self._read_partial(batch_id, kind)
+
+    def _read_partial(self, batch_id: str, kind: str) -> list[dict[str, Any]]:
         path = self.partial_path(batch_id, kind)
         if not path.exists():
             return []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -268,3 +269,69 @@ async def test_a_crash_while_finishing_runs_no_line_again(tmp_path: Path) -> Non
     published = [json.loads(r[0])["id"] for r in rows if '"batch_output"' in r[0]]
     assert published == [done["output_file_id"]]
     assert not restarted.store.partial_path("batch-crash", "output").exists()
+
+
+async def test_a_running_batch_does_its_file_and_database_work_off_the_event_loop(
+    tmp_path: Path,
+) -> None:
+    """The router's loop streams interactive responses: every store call of a batch runs in
+    a thread, and request counts are written at most about once a second, not once a line."""
+    import asyncio
+    import threading
+
+    from serve_app.batch_api.service import BatchService
+    from serve_app.batch_api.store import BatchStore
+    from serve_app.config import AppConfig
+
+    loop_thread = threading.get_ident()
+    on_loop: list[str] = []
+    count_updates: list[dict] = []
+
+    class Watched(BatchStore):
+        def __getattribute__(self, name: str) -> Any:
+            attr = super().__getattribute__(name)
+            if not callable(attr) or name.startswith("_") or name == "partial_path":
+                return attr
+
+            def watched(*args: Any, **kwargs: Any) -> Any:
+                if threading.get_ident() == loop_thread:  # Called, not just looked up.
+                    on_loop.append(name)
+                return attr(*args, **kwargs)
+
+            return watched
+
+        def update_batch(self, batch_id: str, **fields: Any) -> dict[str, Any]:
+            if "request_counts" in fields and "status" not in fields:
+                count_updates.append(fields["request_counts"])
+            return super().update_batch(batch_id, **fields)
+
+    store = Watched(tmp_path)
+    lines = [
+        {"custom_id": f"l-{i}", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}
+        for i in range(40)
+    ]  # fmt: skip
+    upload = store.create_file(
+        "".join(json.dumps(line) + "\n" for line in lines).encode(), "in.jsonl", "batch"
+    )
+    batch = {
+        "id": "batch-io", "object": "batch", "endpoint": "/v1/chat/completions",
+        "input_file_id": upload["id"], "completion_window": "24h", "status": "validating",
+        "created_at": 100, "expires_at": 10**10,
+        "request_counts": {"total": 40, "completed": 0, "failed": 0},
+    }  # fmt: skip
+    store.save_batch(batch)
+    on_loop.clear()
+    service = BatchService(lambda model: None, AppConfig(), store)  # type: ignore[arg-type,return-value]
+
+    async def call(endpoint: str, body: dict, owner: str = "") -> tuple[int, dict]:
+        await asyncio.sleep(0.05)
+        return 200, {"id": "chatcmpl-x"}
+
+    service._call = call  # type: ignore[method-assign]
+    await service._run("batch-io")
+    assert on_loop == [], on_loop
+    done = store.get_batch("batch-io")
+    assert done is not None and done["status"] == "completed"
+    assert done["request_counts"] == {"total": 40, "completed": 40, "failed": 0}
+    assert len(count_updates) <= 2, count_updates  # 40 lines in ~0.1 s: not 40 writes.
