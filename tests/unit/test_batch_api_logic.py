@@ -159,6 +159,24 @@ def test_completion_windows_up_to_a_day() -> None:
     assert line["error"]["code"] == "batch_expired" and "30m" in line["error"]["message"]
 
 
+def _stage(store: Any, batch_id: str, contents: list[str], owner: str = "", **fields: Any) -> None:
+    """A validating chat batch of one line per content (custom_id = content)."""
+    lines = [
+        {"custom_id": c, "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "m", "messages": [{"role": "user", "content": c}]}}
+        for c in contents
+    ]  # fmt: skip
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    upload = store.create_file(data, "in.jsonl", "batch", owner)
+    batch = {
+        "id": batch_id, "object": "batch", "endpoint": "/v1/chat/completions",
+        "input_file_id": upload["id"], "completion_window": "24h", "status": "validating",
+        "created_at": 100, "expires_at": 10**10,
+        "request_counts": {"total": len(lines), "completed": 0, "failed": 0},
+    } | fields  # fmt: skip
+    store.save_batch(batch, owner=owner)
+
+
 async def test_a_batch_past_its_window_expires_with_what_finished(tmp_path: Path) -> None:
     """Pure logic with a stand-in serving: quick lines finish, slow ones are cut at the
     window and become batch_expired error lines, each custom_id once."""
@@ -186,22 +204,8 @@ async def test_a_batch_past_its_window_expires_with_what_finished(tmp_path: Path
         return 200, {"id": f"chatcmpl-{content}"}
 
     service._call = call  # type: ignore[method-assign]
-    lines = [
-        {"custom_id": f"{kind}-{i}", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": "m", "messages": [{"role": "user", "content": f"{kind}-{i}"}]}}
-        for kind in ("quick", "slow") for i in range(3)
-    ]  # fmt: skip
-    upload = store.create_file(
-        "".join(json.dumps(line) + "\n" for line in lines).encode(), "in.jsonl", "batch"
-    )
-    now = int(time.time())
-    batch = {
-        "id": "batch-w", "object": "batch", "endpoint": "/v1/chat/completions",
-        "input_file_id": upload["id"], "completion_window": "1s", "status": "validating",
-        "created_at": now, "expires_at": time.time() + 0.5,
-        "request_counts": {"total": 6, "completed": 0, "failed": 0},
-    }  # fmt: skip
-    store.save_batch(batch)
+    contents = [f"{kind}-{i}" for kind in ("quick", "slow") for i in range(3)]
+    _stage(store, "batch-w", contents, completion_window="1s", expires_at=time.time() + 0.5)
     await service._run("batch-w")
     done = store.get_batch("batch-w")
     assert done is not None and done["status"] == "expired" and done["expired_at"]
@@ -228,21 +232,7 @@ async def test_a_crash_while_finishing_runs_no_line_again(tmp_path: Path) -> Non
         calls.append(body["messages"][0]["content"])
         return 200, {"id": "chatcmpl-x"}
 
-    lines = [
-        {"custom_id": f"c-{i}", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": "m", "messages": [{"role": "user", "content": f"c-{i}"}]}}
-        for i in range(4)
-    ]  # fmt: skip
-    upload = store.create_file(
-        "".join(json.dumps(line) + "\n" for line in lines).encode(), "in.jsonl", "batch", "k"
-    )
-    batch = {
-        "id": "batch-crash", "object": "batch", "endpoint": "/v1/chat/completions",
-        "input_file_id": upload["id"], "completion_window": "24h", "status": "validating",
-        "created_at": 100, "expires_at": 10**10,
-        "request_counts": {"total": 4, "completed": 0, "failed": 0},
-    }  # fmt: skip
-    store.save_batch(batch, owner="k")
+    _stage(store, "batch-crash", [f"c-{i}" for i in range(4)], owner="k")
     first = BatchService(lambda model: None, AppConfig(), store)  # type: ignore[arg-type,return-value]
     first._call = call  # type: ignore[method-assign]
     real_update = store.update_batch
@@ -306,21 +296,7 @@ async def test_a_running_batch_does_its_file_and_database_work_off_the_event_loo
             return super().update_batch(batch_id, **fields)
 
     store = Watched(tmp_path)
-    lines = [
-        {"custom_id": f"l-{i}", "method": "POST", "url": "/v1/chat/completions",
-         "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}
-        for i in range(40)
-    ]  # fmt: skip
-    upload = store.create_file(
-        "".join(json.dumps(line) + "\n" for line in lines).encode(), "in.jsonl", "batch"
-    )
-    batch = {
-        "id": "batch-io", "object": "batch", "endpoint": "/v1/chat/completions",
-        "input_file_id": upload["id"], "completion_window": "24h", "status": "validating",
-        "created_at": 100, "expires_at": 10**10,
-        "request_counts": {"total": 40, "completed": 0, "failed": 0},
-    }  # fmt: skip
-    store.save_batch(batch)
+    _stage(store, "batch-io", [f"l-{i}" for i in range(40)])
     on_loop.clear()
     service = BatchService(lambda model: None, AppConfig(), store)  # type: ignore[arg-type,return-value]
 
