@@ -27,6 +27,7 @@ from serve_app.batch_api.window import window_seconds
 from serve_app.config import AppConfig
 from serve_app.errors import APIError
 from serve_app.ingress.tenancy import tenant_of
+from serve_app.openai.charging import request_charge
 from serve_app.openai.protocol import ErrorResponse
 from serve_app.openai.serving import OpenAIServing, ServingFor
 
@@ -182,7 +183,22 @@ async def create_batch(body: BatchCreate, request: Request) -> JSONResponse:
     for stamp in ("in_progress_at", "finalizing_at", "completed_at", "failed_at"):
         batch[stamp] = None
     batch |= {"expired_at": None, "cancelling_at": None, "cancelled_at": None}
-    await asyncio.to_thread(svc.store.save_batch, batch, owner=tenant_of(request))
+    owner, security = tenant_of(request), svc.config.security
+    tokens = sum(
+        request_charge(body.endpoint, line["body"], security.unset_max_tokens_charge)
+        for line in parsed.lines
+    )
+    limit = security.batch_queue_tokens_for(owner)
+    enqueued = await asyncio.to_thread(svc.store.create_batch_within, batch, owner, tokens, limit)
+    if enqueued is not None:
+        raise APIError(
+            f"Enqueued token limit reached for key `{owner or 'default'}`: {enqueued} tokens "
+            f"in unfinished batches plus {tokens} for this one would pass its limit of "
+            f"{limit}. Wait for a batch to finish, or split this one.",
+            status=429,
+            type="tokens",
+            code="batch_queue_limit_exceeded",
+        )
     svc.start(batch["id"])
     return JSONResponse(batch)
 

@@ -65,6 +65,10 @@ class BatchStore:
                     self._db.execute(
                         f"ALTER TABLE {table} ADD COLUMN owner TEXT NOT NULL DEFAULT ''"
                     )
+                if table == "batches" and "queued_tokens" not in columns:
+                    self._db.execute(
+                        "ALTER TABLE batches ADD COLUMN queued_tokens INTEGER NOT NULL DEFAULT 0"
+                    )
 
     # Files ------------------------------------------------------------------------------
 
@@ -146,6 +150,37 @@ class BatchStore:
                 (batch["id"], batch["created_at"], batch["status"], json.dumps(batch), owner),
             )
         return batch
+
+    def create_batch_within(
+        self, batch: dict[str, Any], owner: str, tokens: int, limit: int | None
+    ) -> int | None:
+        """Insert a new batch charged ``tokens`` unless ``owner``'s unfinished batches plus it
+        would pass ``limit``: then nothing is stored and the tokens enqueued are returned.
+        One immediate transaction, so concurrent creates (other processes too) cannot both
+        slip under the limit."""
+        marks = ",".join("?" for _ in ACTIVE)
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                enqueued = self._db.execute(
+                    "SELECT COALESCE(SUM(queued_tokens), 0) FROM batches "
+                    f"WHERE owner = ? AND status IN ({marks})",
+                    (owner, *ACTIVE),
+                ).fetchone()[0]
+                if limit is not None and enqueued + tokens > limit:
+                    self._db.execute("ROLLBACK")
+                    return int(enqueued)
+                self._db.execute(
+                    "INSERT INTO batches (id, created_at, status, data, owner, queued_tokens) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (batch["id"], batch["created_at"], batch["status"], json.dumps(batch),
+                     owner, tokens),
+                )  # fmt: skip
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return None
 
     def get_batch(self, batch_id: str, owner: str | None = None) -> dict[str, Any] | None:
         """The batch, if it exists and (``owner`` given) belongs to ``owner``."""

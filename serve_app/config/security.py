@@ -108,6 +108,19 @@ class SecurityConfig(StrictModel):
         "a chat request sets no max_tokens, or a completion sets it to null (an unset one "
         "defaults to 16, as in OpenAI's API).",
     )
+    batch_queue_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=10**13,
+        description="Most tokens one key may have enqueued in unfinished Batch API batches, "
+        "each line charged as tokens_per_minute charges a request (prompt estimate plus n x "
+        "max_tokens per prompt); a batch that would pass it is a 429 with the numbers (like "
+        "OpenAI's batch queue limit). Unset: unlimited.",
+    )
+    key_batch_queue_tokens: dict[str, int] = Field(
+        default_factory=dict,
+        description="batch_queue_tokens per key name, e.g. {nightly: 50000000}.",
+    )
     key_priorities: dict[str, int] = Field(
         default_factory=dict,
         description="Lowest vLLM priority each key name's requests run at (lower runs first), "
@@ -166,6 +179,16 @@ class SecurityConfig(StrictModel):
                 raise ValueError(f"{name!r} is not a key name ([A-Za-z0-9_.-], 1-64 chars)")
         return value
 
+    @field_validator("key_batch_queue_tokens")
+    @classmethod
+    def _queue_names(cls, value: dict[str, int]) -> dict[str, int]:
+        for name, tokens in value.items():
+            if not NAME_RE.fullmatch(name):
+                raise ValueError(f"{name!r} is not a key name ([A-Za-z0-9_.-], 1-64 chars)")
+            if tokens < 1:
+                raise ValueError(f"{name}: {tokens} tokens; give at least 1")
+        return value
+
     @field_validator("admin_keys")
     @classmethod
     def _admin_names(cls, value: list[str]) -> list[str]:
@@ -205,6 +228,9 @@ class SecurityConfig(StrictModel):
     def min_priority(self, key_name: str | None) -> int:
         """The lowest priority a request of this key runs at (0 unless key_priorities says)."""
         return self.key_priorities.get(key_name or "", 0)
+
+    def batch_queue_tokens_for(self, name: str) -> int | None:
+        return self.key_batch_queue_tokens.get(name, self.batch_queue_tokens)
 
     def rate_limit_for(self, name: str) -> KeyRateLimit:
         default = KeyRateLimit(

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from openai import BadRequestError, NotFoundError, OpenAI
+from openai import BadRequestError, NotFoundError, OpenAI, RateLimitError
 
 from serve_app.batch_api import routes as batch_api
 from serve_app.batch_api.store import BatchStore
@@ -31,6 +31,7 @@ from serve_app.openai.serving import OpenAIServing
 
 MODEL = "smollm2-135m-instruct"
 ROOT = Path(__file__).resolve().parents[2]
+QUEUE_TOKENS = 100_000  # security.batch_queue_tokens of the module's app (one tenant: "").
 
 
 def _port() -> int:
@@ -52,6 +53,7 @@ def batch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str
 
     config: AppConfig = app_config(str(ROOT / "serve_config.cpu.yaml"))
     config.engine.kv_cache_space_gib = 1
+    config.security.batch_queue_tokens = QUEUE_TOKENS
     os.environ.update(config.engine.runtime_env_vars())
     path = resolve_model(MODEL)
     preprocessor = Preprocessor(config, path)
@@ -263,6 +265,27 @@ def test_a_batch_past_its_completion_window_ends_expired(bclient: OpenAI) -> Non
             endpoint="/v1/chat/completions",
             completion_window="48h",  # type: ignore[arg-type]
         )
+
+
+def test_a_batch_past_the_enqueued_token_limit_is_a_429_with_the_numbers(
+    bclient: OpenAI,
+) -> None:
+    """600 lines x 200 tokens (n and every prompt counted) cannot be enqueued under a
+    100,000-token limit; nothing is stored, and a batch that fits still runs."""
+    big = [chat_line(f"q-{i}", "Write a poem.", max_tokens=100, n=2) for i in range(600)]
+    upload = bclient.files.create(file=("q.jsonl", jsonl(big)), purpose="batch")
+    with pytest.raises(RateLimitError) as caught:
+        bclient.batches.create(
+            input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    error = caught.value.body
+    assert isinstance(error, dict) and error["code"] == "batch_queue_limit_exceeded", error
+    assert f"{QUEUE_TOKENS}" in error["message"] and "tokens" in error["message"]
+    small = bclient.files.create(file=("s.jsonl", jsonl(big[:3])), purpose="batch")
+    batch = bclient.batches.create(
+        input_file_id=small.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    assert wait_done(bclient, batch.id).status == "completed"
 
 
 def test_resume_after_restart(bclient: OpenAI, batch_server: tuple[str, Path]) -> None:

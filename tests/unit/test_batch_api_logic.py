@@ -311,3 +311,25 @@ async def test_a_running_batch_does_its_file_and_database_work_off_the_event_loo
     assert done is not None and done["status"] == "completed"
     assert done["request_counts"] == {"total": 40, "completed": 40, "failed": 0}
     assert len(count_updates) <= 2, count_updates  # 40 lines in ~0.1 s: not 40 writes.
+
+
+def test_a_keys_unfinished_batches_are_held_to_its_queue_limit(tmp_path: Path) -> None:
+    from serve_app.batch_api.store import BatchStore
+    from serve_app.config.security import SecurityConfig
+
+    store = BatchStore(tmp_path)
+
+    def batch(batch_id: str) -> dict[str, Any]:
+        return {"id": batch_id, "created_at": 100, "status": "validating"}
+
+    assert store.create_batch_within(batch("batch-a"), "alice", 600, 1000) is None
+    assert store.create_batch_within(batch("batch-b"), "alice", 500, 1000) == 600  # Refused.
+    assert store.get_batch("batch-b") is None
+    assert store.create_batch_within(batch("batch-c"), "bob", 900, 1000) is None  # Per key.
+    store.update_batch("batch-a", status="completed")  # Finished batches no longer count.
+    assert store.create_batch_within(batch("batch-b"), "alice", 500, 1000) is None
+    assert store.create_batch_within(batch("batch-d"), "alice", 10**9, None) is None
+    config = SecurityConfig(batch_queue_tokens=5000, key_batch_queue_tokens={"nightly": 10**8})
+    assert config.batch_queue_tokens_for("alice") == 5000
+    assert config.batch_queue_tokens_for("nightly") == 10**8
+    assert SecurityConfig().batch_queue_tokens_for("alice") is None
