@@ -6,6 +6,7 @@ vLLM request when its consumer goes away (``AsyncLLM.generate`` aborts on cancel
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
@@ -58,7 +59,12 @@ def to_sampling_params(request: EngineRequest) -> SamplingParams:
     if spec.structured is not None:
         from vllm.sampling_params import StructuredOutputsParams
 
-        structured = StructuredOutputsParams(**{spec.structured.kind: spec.structured.value})
+        value = spec.structured.value
+        if spec.structured.kind == "json" and not isinstance(value, str):
+            # As text: a schema may hold numbers msgpack cannot carry to the engine core
+            # (ints past 64 bits), which would fail the request there as an internal error.
+            value = json.dumps(value)
+        structured = StructuredOutputsParams(**{spec.structured.kind: value})
     return SamplingParams(
         n=spec.n,
         max_tokens=spec.max_tokens,

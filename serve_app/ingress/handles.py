@@ -88,12 +88,30 @@ async def bounded_stream(
             yield item
     except BackPressureError as exc:
         raise _overloaded(exc) from None
+    except asyncio.CancelledError:
+        if _cancelled_here():
+            raise
+        # Serve turns a call cancelled on the replica's side (Ray's TaskCancelledError) into
+        # CancelledError: passed on, it would end the client's stream with no error and no
+        # [DONE], as if the router itself had been cancelled.
+        raise APIError(
+            "The model replica cancelled the request; retry shortly.",
+            status=503,
+            type="server_error",
+            code="engine_unavailable",
+        ) from None
     finally:
         if not done:
             # Serve's cancel() re-raises a failed assignment (e.g. BackPressureError): that
             # must not replace the error already being raised.
             with contextlib.suppress(Exception):
                 response.cancel()
+
+
+def _cancelled_here() -> bool:
+    """Whether the running task itself is being cancelled (not a callee's CancelledError)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 async def resubmitted_once(

@@ -129,6 +129,29 @@ def test_json_object_parses(client: OpenAI) -> None:
     assert isinstance(json.loads(response.choices[0].message.content or ""), dict)
 
 
+def test_a_schema_holding_a_number_past_64_bits_is_served(client: OpenAI) -> None:
+    # Annotations may hold any JSON number; msgpack (vLLM's hop to its engine core) holds
+    # 64-bit ints only, which once made such a schema a 500.
+    schema = {
+        "type": "object",
+        "properties": {"age": {"type": "integer", "examples": [2**80]}},
+        "required": ["age"],
+        "x-serial": 90990306043718518439936,
+    }
+    request: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Give a JSON object with the key age."}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+        "max_tokens": 30,
+        "temperature": 0,
+    }
+    whole = client.chat.completions.create(**request).choices[0].message.content or ""
+    chunks = client.chat.completions.create(**request, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    for text in (whole, streamed):
+        assert text.lstrip().startswith("{"), text
+
+
 def test_regex_and_choice_match_exactly(client: OpenAI) -> None:
     phone = (
         client.completions.create(

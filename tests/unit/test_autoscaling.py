@@ -206,6 +206,30 @@ def test_bounded_stream() -> None:
     assert slow.cancelled
 
 
+def test_bounded_stream_tells_a_callees_cancel_from_its_own() -> None:
+    class CancelledByReplica(_FakeResponse):
+        async def _gen(self) -> AsyncIterator[int]:
+            yield 0
+            raise asyncio.CancelledError  # What Serve raises for Ray's TaskCancelledError.
+
+    cut = CancelledByReplica(0, 3, 0)
+    with pytest.raises(APIError) as error:
+        asyncio.run(_drain(cut, assign_timeout_s=1, timeout_s=5))
+    assert (error.value.info.status, error.value.info.code) == (503, "engine_unavailable")
+    assert cut.cancelled
+
+    async def consumer_cancelled() -> None:
+        slow = _FakeResponse(0, 100, 0.05)
+        task = asyncio.ensure_future(_drain(slow, assign_timeout_s=1, timeout_s=5))
+        await asyncio.sleep(0.12)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert slow.cancelled
+
+    asyncio.run(consumer_cancelled())
+
+
 def test_serve_keeps_the_configured_delays_for_the_queue_depth_policy(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
