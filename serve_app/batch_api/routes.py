@@ -189,7 +189,15 @@ async def create_batch(body: BatchCreate, request: Request) -> JSONResponse:
         for line in parsed.lines
     )
     limit = security.batch_queue_tokens_for(owner)
-    enqueued = await asyncio.to_thread(svc.store.create_batch_within, batch, owner, tokens, limit)
+    enqueued = await asyncio.to_thread(
+        svc.store.create_batch_within,
+        batch,
+        owner,
+        tokens,
+        limit,
+        holder=svc.holder,
+        lease_s=svc.lease_s,
+    )
     if enqueued is not None:
         raise APIError(
             f"Enqueued token limit reached for key `{owner or 'default'}`: {enqueued} tokens "
@@ -238,4 +246,7 @@ async def cancel_batch(batch_id: str, request: Request) -> JSONResponse:
     batch = await _batch(batch_id, request)
     if batch["status"] not in ("validating", "in_progress"):
         raise APIError(f"Cannot cancel a batch that is {batch['status']}.", code="invalid_state")
-    return JSONResponse(await service().cancel(batch_id))
+    cancelling = await service().cancel(batch_id)
+    if cancelling is None:  # It finished meanwhile.
+        raise APIError("Cannot cancel a batch that has finished.", code="invalid_state")
+    return JSONResponse(cancelling)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import secrets
 import shutil
 import sqlite3
 import threading
@@ -18,7 +17,11 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO
 
-ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+from serve_app.batch_api.ids import new_id
+from serve_app.batch_api.leases import ACTIVE, BatchLeases, LeaseLost
+from serve_app.batch_api.partials import PartialFiles
+
+__all__ = ["ACTIVE", "BatchStore", "LeaseLost", "new_id"]
 COPY_CHUNK = 1024 * 1024
 
 
@@ -30,20 +33,7 @@ def default_root() -> Path:
     return cache_dir() / "batches"
 
 
-_last_stamp = [0]
-_stamp_lock = threading.Lock()
-
-
-def new_id(prefix: str) -> str:
-    """Ids sort in creation order (a strictly increasing µs stamp first, then randomness), so
-    objects created within one second still list newest first."""
-    with _stamp_lock:
-        _last_stamp[0] = max(time.time_ns() // 1000, _last_stamp[0] + 1)
-        stamp = _last_stamp[0]
-    return f"{prefix}-{stamp:014x}{secrets.token_hex(5)}"
-
-
-class BatchStore:
+class BatchStore(PartialFiles):
     def __init__(self, root: Path | None = None) -> None:
         self.root = root or default_root()
         self.files_dir = self.root / "files"
@@ -69,6 +59,7 @@ class BatchStore:
                     self._db.execute(
                         "ALTER TABLE batches ADD COLUMN queued_tokens INTEGER NOT NULL DEFAULT 0"
                     )
+        self.leases = BatchLeases(self._db, self._lock)
 
     # Files ------------------------------------------------------------------------------
 
@@ -152,12 +143,19 @@ class BatchStore:
         return batch
 
     def create_batch_within(
-        self, batch: dict[str, Any], owner: str, tokens: int, limit: int | None
+        self,
+        batch: dict[str, Any],
+        owner: str,
+        tokens: int,
+        limit: int | None,
+        *,
+        holder: str = "",
+        lease_s: float = 0.0,
     ) -> int | None:
         """Insert a new batch charged ``tokens`` unless ``owner``'s unfinished batches plus it
         would pass ``limit``: then nothing is stored and the tokens enqueued are returned.
         One immediate transaction, so concurrent creates (other processes too) cannot both
-        slip under the limit."""
+        slip under the limit. ``holder`` gets its lease for ``lease_s``."""
         marks = ",".join("?" for _ in ACTIVE)
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
@@ -171,10 +169,10 @@ class BatchStore:
                     self._db.execute("ROLLBACK")
                     return int(enqueued)
                 self._db.execute(
-                    "INSERT INTO batches (id, created_at, status, data, owner, queued_tokens) "
-                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO batches (id, created_at, status, data, owner, queued_tokens, "
+                    "holder, lease_until) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     (batch["id"], batch["created_at"], batch["status"], json.dumps(batch),
-                     owner, tokens),
+                     owner, tokens, holder, self.leases.until(lease_s) if holder else 0.0),
                 )  # fmt: skip
                 self._db.execute("COMMIT")
             except BaseException:
@@ -194,12 +192,41 @@ class BatchStore:
             row = self._db.execute("SELECT owner FROM batches WHERE id = ?", (batch_id,)).fetchone()
         return "" if row is None else str(row[0])
 
-    def update_batch(self, batch_id: str, **fields: Any) -> dict[str, Any]:
-        batch = self.get_batch(batch_id)
-        if batch is None:
-            raise KeyError(batch_id)
-        batch.update(fields)
-        return self.save_batch(batch)
+    def update_batch(
+        self,
+        batch_id: str,
+        *,
+        holder: str | None = None,
+        expect: tuple[str, ...] | None = None,
+        **fields: Any,
+    ) -> dict[str, Any] | None:
+        """Set ``fields`` in one immediate transaction (no update from another process is
+        lost). ``holder``: only under its lease (LeaseLost otherwise). ``expect``: only from
+        one of these statuses (None otherwise)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                if holder is not None:
+                    self.leases.check(batch_id, holder)
+                row = self._db.execute(
+                    "SELECT data FROM batches WHERE id = ?", (batch_id,)
+                ).fetchone()
+                if row is None:
+                    raise KeyError(batch_id)
+                batch = dict(json.loads(row[0]))
+                if expect is not None and batch["status"] not in expect:
+                    self._db.execute("ROLLBACK")
+                    return None
+                batch.update(fields)
+                self._db.execute(
+                    "UPDATE batches SET status = ?, data = ? WHERE id = ?",
+                    (batch["status"], json.dumps(batch), batch_id),
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return batch
 
     def list_batches(
         self, after: str | None, limit: int, owner: str | None = None
@@ -224,62 +251,6 @@ class BatchStore:
                 f"SELECT data FROM batches WHERE status IN ({marks}) ORDER BY created_at", ACTIVE
             ).fetchall()
         return [dict(json.loads(r[0])) for r in rows]
-
-    # Progress of a running batch ---------------------------------------------------------
-
-    def partial_path(self, batch_id: str, kind: str) -> Path:
-        return self.root / f"{batch_id}.{kind}.partial"
-
-    def read_partial(self, batch_id: str, kind: str) -> list[dict[str, Any]]:
-        """Complete lines only; a torn last line from a crash is dropped (and rewritten)."""
-        with self._lock:  # Not while a line is being appended.
-            return self._read_partial(batch_id, kind)
-
-    def _read_partial(self, batch_id: str, kind: str) -> list[dict[str, Any]]:
-        path = self.partial_path(batch_id, kind)
-        if not path.exists():
-            return []
-        lines = []
-        for line in path.read_text().split("\n"):  # Not splitlines: U+2028 is no line end.
-            try:
-                lines.append(json.loads(line))
-            except ValueError:
-                break
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(line) + "\n" for line in lines))
-        tmp.replace(path)
-        return lines
-
-    def append_partial(self, batch_id: str, kind: str, line: dict[str, Any]) -> None:
-        with self._lock, self.partial_path(batch_id, kind).open("a") as handle:
-            handle.write(json.dumps(line) + "\n")
-
-    def publish_partial(self, batch_id: str, kind: str, purpose: str) -> str | None:
-        """Store a partial file's lines as the batch's ``kind`` file (durable before it is
-        recorded) and return its id; None when it has no lines. The partial stays until
-        ``drop_partials``: a crash before the batch records the file resumes from it, and
-        publishing again replaces the file under the same id (no orphan copies)."""
-        path = self.partial_path(batch_id, kind)
-        if not path.exists() or path.stat().st_size == 0:
-            return None
-        file_id = f"file-{batch_id.removeprefix('batch-')}-{kind}"
-        name, owner = f"{batch_id}_{kind}.jsonl", self.batch_owner(batch_id)
-        with path.open("rb") as source:  # The batch's owner may download it; no other key may.
-            self.create_file_from(source, name, purpose, owner, file_id=file_id)
-        return file_id
-
-    def drop_partials(self, batch_id: str) -> None:
-        """Once the batch has recorded its files."""
-        for kind in ("output", "error"):
-            self.partial_path(batch_id, kind).unlink(missing_ok=True)
-
-    def sweep_partials(self) -> None:
-        """Drop partials left by a crash after their batch recorded its files."""
-        active = {batch["id"] for batch in self.active_batches()}
-        for path in self.root.glob("*.partial"):
-            batch_id = path.name.split(".", 1)[0]
-            if batch_id not in active:
-                path.unlink(missing_ok=True)
 
 
 def _fsync_dir(path: Path) -> None:

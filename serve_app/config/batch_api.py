@@ -1,4 +1,4 @@
-"""batch_api: the OpenAI Batch API's files (POST /v1/files) and their limits."""
+"""batch_api: the OpenAI Batch API's files (POST /v1/files), their limits, and who runs a batch."""
 
 from __future__ import annotations
 
@@ -15,4 +15,14 @@ class BatchApiConfig(StrictModel):
         description="Largest upload to POST /v1/files (OpenAI's limit: 200 MB). Uploads stream "
         "to disk in chunks, so this bounds disk, not memory; every other route keeps "
         "security.max_body_bytes. Larger gets 413.",
+    )
+    lease_s: float = Field(
+        30.0,
+        ge=3.0,
+        le=3600.0,
+        description="A batch runs in one router replica at a time: the holder of its lease, "
+        "renewed every lease_s / 6. A replica that dies or hangs loses its batches to another "
+        "replica this long after its last renewal; the new one resumes from the lines already "
+        "done. Every router replica must share the store (SERVE_APP_BATCH_DIR on a volume all "
+        "of them mount) for this to hold across nodes.",
     )

@@ -32,6 +32,7 @@ from serve_app.openai.serving import OpenAIServing
 MODEL = "smollm2-135m-instruct"
 ROOT = Path(__file__).resolve().parents[2]
 QUEUE_TOKENS = 100_000  # security.batch_queue_tokens of the module's app (one tenant: "").
+LEASE_S = 3.0  # batch_api.lease_s: a dead replica's batches move on this soon.
 
 
 def _port() -> int:
@@ -54,6 +55,7 @@ def batch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str
     config: AppConfig = app_config(str(ROOT / "serve_config.cpu.yaml"))
     config.engine.kv_cache_space_gib = 1
     config.security.batch_queue_tokens = QUEUE_TOKENS
+    config.batch_api.lease_s = LEASE_S
     os.environ.update(config.engine.runtime_env_vars())
     path = resolve_model(MODEL)
     preprocessor = Preprocessor(config, path)
@@ -316,6 +318,62 @@ def test_resume_after_restart(bclient: OpenAI, batch_server: tuple[str, Path]) -
     assert done.status == "completed"
     outputs = by_custom_id(bclient, done.output_file_id)
     assert set(outputs) == {"r-0", "r-1", "r-2", "r-3"} and outputs["r-0"]["id"] == "x"
+
+
+def test_another_replica_finishes_the_batch_of_one_that_died(
+    bclient: OpenAI, batch_server: tuple[str, Path]
+) -> None:
+    """A second router replica's batch service on the same store (its own connection, as in
+    another process), the real engine under both. The replica running a batch dies (its tasks
+    gone, its lease never renewed again): the second one takes the batch over once the lease
+    lapses and finishes it, every line in the output once."""
+    from serve_app.batch_api.service import BatchService
+
+    _, root = batch_server
+    dying = batch_api._service
+    assert dying is not None and dying._keeper is not None
+    loop = dying._keeper.get_loop()  # The server's loop, where the engine runs.
+    survivor = BatchService(dying.serving_for, dying.config, BatchStore(root))
+
+    def on_loop(work: Any) -> Any:
+        async def run() -> Any:
+            return work()
+
+        return asyncio.run_coroutine_threadsafe(run(), loop).result(timeout=30)
+
+    on_loop(survivor.ensure_resumed)
+    # Lengths spread out, so lines finish one after another rather than all at once.
+    lines = [chat_line(f"d-{i}", f"Tell a story number {i}.", max_tokens=4 + i) for i in range(60)]
+    upload = bclient.files.create(file=("d.jsonl", jsonl(lines)), purpose="batch")
+    batch = bclient.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    store = BatchStore(root)
+    assert store.leases.holder(batch.id) == dying.holder
+    deadline = time.monotonic() + 120
+    while (counts := bclient.batches.retrieve(batch.id).request_counts) is None or (
+        counts.completed < 3
+    ):
+        assert time.monotonic() < deadline, "no line finished"
+        time.sleep(0.2)
+
+    def die() -> None:
+        assert dying._keeper is not None
+        dying._keeper.cancel()
+        for task in dying._tasks.values():
+            task.cancel()
+
+    on_loop(die)
+    assert counts.completed < len(lines), "finished before the replica died: nothing to take"
+    try:
+        done = wait_done(bclient, batch.id)
+        assert done.status == "completed"
+        assert store.leases.holder(batch.id) == survivor.holder
+        assert set(by_custom_id(bclient, done.output_file_id)) == {f"d-{i}" for i in range(60)}
+    finally:
+        assert survivor._keeper is not None
+        on_loop(survivor._keeper.cancel)
+        batch_api.attach(dying.serving_for, dying.config, root)  # A live one for what follows.
 
 
 def test_wired_into_the_serve_app(base_url: str, client: OpenAI) -> None:

@@ -177,6 +177,12 @@ def _stage(store: Any, batch_id: str, contents: list[str], owner: str = "", **fi
     store.save_batch(batch, owner=owner)
 
 
+async def _run_held(service: Any, batch_id: str) -> None:
+    """Run a batch as the replica holding its lease."""
+    assert service.store.leases.claim(batch_id, service.holder, service.lease_s)
+    await service._run(batch_id)
+
+
 async def test_a_batch_past_its_window_expires_with_what_finished(tmp_path: Path) -> None:
     """Pure logic with a stand-in serving: quick lines finish, slow ones are cut at the
     window and become batch_expired error lines, each custom_id once."""
@@ -206,7 +212,7 @@ async def test_a_batch_past_its_window_expires_with_what_finished(tmp_path: Path
     service._call = call  # type: ignore[method-assign]
     contents = [f"{kind}-{i}" for kind in ("quick", "slow") for i in range(3)]
     _stage(store, "batch-w", contents, completion_window="1s", expires_at=time.time() + 0.5)
-    await service._run("batch-w")
+    await _run_held(service, "batch-w")
     done = store.get_batch("batch-w")
     assert done is not None and done["status"] == "expired" and done["expired_at"]
     assert sorted(cancelled) == ["slow-0", "slow-1", "slow-2"]
@@ -221,6 +227,8 @@ async def test_a_batch_past_its_window_expires_with_what_finished(tmp_path: Path
 async def test_a_crash_while_finishing_runs_no_line_again(tmp_path: Path) -> None:
     """Killed after publishing the output file, before the batch recorded it: the restarted
     service runs nothing again and publishes under the same file id (no orphan copy)."""
+    import asyncio
+
     from serve_app.batch_api.service import BatchService
     from serve_app.batch_api.store import BatchStore
     from serve_app.config import AppConfig
@@ -233,7 +241,7 @@ async def test_a_crash_while_finishing_runs_no_line_again(tmp_path: Path) -> Non
         return 200, {"id": "chatcmpl-x"}
 
     _stage(store, "batch-crash", [f"c-{i}" for i in range(4)], owner="k")
-    first = BatchService(lambda model: None, AppConfig(), store)  # type: ignore[arg-type,return-value]
+    first = BatchService(lambda model: None, AppConfig(), store, lease_s=0.2)  # type: ignore[arg-type,return-value]
     first._call = call  # type: ignore[method-assign]
     real_update = store.update_batch
 
@@ -244,12 +252,13 @@ async def test_a_crash_while_finishing_runs_no_line_again(tmp_path: Path) -> Non
 
     store.update_batch = crash_on_record  # type: ignore[method-assign]
     with pytest.raises(SystemExit):
-        await first._run("batch-crash")
+        await _run_held(first, "batch-crash")
     store.update_batch = real_update  # type: ignore[method-assign]
     assert sorted(calls) == ["c-0", "c-1", "c-2", "c-3"]
     restarted = BatchService(lambda model: None, AppConfig(), BatchStore(tmp_path))  # type: ignore[arg-type,return-value]
     restarted._call = call  # type: ignore[method-assign]
-    await restarted._run("batch-crash")
+    await asyncio.sleep(0.25)  # The dead replica's lease lapses.
+    await _run_held(restarted, "batch-crash")
     done = restarted.store.get_batch("batch-crash")
     assert done is not None and done["status"] == "completed"
     assert len(calls) == 4  # Nothing ran twice.
@@ -305,7 +314,7 @@ async def test_a_running_batch_does_its_file_and_database_work_off_the_event_loo
         return 200, {"id": "chatcmpl-x"}
 
     service._call = call  # type: ignore[method-assign]
-    await service._run("batch-io")
+    await _run_held(service, "batch-io")
     assert on_loop == [], on_loop
     done = store.get_batch("batch-io")
     assert done is not None and done["status"] == "completed"
@@ -333,3 +342,126 @@ def test_a_keys_unfinished_batches_are_held_to_its_queue_limit(tmp_path: Path) -
     assert config.batch_queue_tokens_for("alice") == 5000
     assert config.batch_queue_tokens_for("nightly") == 10**8
     assert SecurityConfig().batch_queue_tokens_for("alice") is None
+
+
+def _replica(tmp_path: Path, calls: list[str], lease_s: float, line_s: float = 0.02) -> Any:
+    """A router replica's batch service: its own store connection (as another process has),
+    lines answered by a stand-in after ``line_s``."""
+    import asyncio
+
+    from serve_app.batch_api.service import BatchService
+    from serve_app.batch_api.store import BatchStore
+    from serve_app.config import AppConfig
+
+    service = BatchService(
+        lambda model: None,  # type: ignore[arg-type,return-value]
+        AppConfig(),
+        BatchStore(tmp_path),
+        max_in_flight=2,
+        lease_s=lease_s,
+    )
+
+    async def call(endpoint: str, body: dict, owner: str = "") -> tuple[int, dict]:
+        await asyncio.sleep(line_s)
+        calls.append(body["messages"][0]["content"])
+        return 200, {"id": "chatcmpl-x"}
+
+    service._call = call  # type: ignore[method-assign]
+    return service
+
+
+async def _settled(store: Any, batch_id: str, timeout_s: float = 20.0) -> dict[str, Any]:
+    import asyncio
+
+    async with asyncio.timeout(timeout_s):
+        while (batch := store.get_batch(batch_id))["status"] not in ("completed", "cancelled"):
+            await asyncio.sleep(0.02)
+    return dict(batch)
+
+
+def _output_ids(store: Any, batch: dict[str, Any]) -> list[str]:
+    lines = store.file_content(batch["output_file_id"]).splitlines()
+    return sorted(json.loads(line)["custom_id"] for line in lines)
+
+
+async def test_replicas_run_a_batch_once_and_take_over_a_dead_ones(tmp_path: Path) -> None:
+    """Two replicas on one store: only one runs the batch; when it dies (tasks gone, no
+    release) the other takes it over once the lease lapses and finishes it from where it was,
+    each line in the output once."""
+    import asyncio
+
+    calls: dict[str, list[str]] = {"a": [], "b": []}
+    a = _replica(tmp_path, calls["a"], lease_s=0.6)
+    b = _replica(tmp_path, calls["b"], lease_s=0.6)
+    contents = [f"l-{i:02d}" for i in range(40)]
+    _stage(a.store, "batch-fleet", contents)
+    a.ensure_resumed()
+    b.ensure_resumed()
+    while len(calls["a"]) + len(calls["b"]) < 10:
+        await asyncio.sleep(0.01)
+    first, other = (a, b) if calls["a"] else (b, a)
+    assert not calls["b" if first is a else "a"]  # One runner, not two.
+    assert first._keeper is not None
+    first._keeper.cancel()  # The replica dies: no renewals, no release, no finish.
+    for task in list(first._tasks.values()):
+        task.cancel()
+    done = await _settled(other.store, "batch-fleet")
+    assert done["status"] == "completed"
+    assert _output_ids(other.store, done) == contents
+    ran = calls["a"] + calls["b"]
+    assert sorted(set(ran)) == contents
+    assert len(ran) <= len(contents) + 2  # At most the lines in flight at the death again.
+    assert other._keeper is not None
+    other._keeper.cancel()
+
+
+async def test_a_cancel_through_any_replica_stops_the_batch_where_it_runs(
+    tmp_path: Path,
+) -> None:
+    import asyncio
+
+    calls: list[str] = []
+    runner = _replica(tmp_path, calls, lease_s=0.6, line_s=0.1)
+    other = _replica(tmp_path, [], lease_s=0.6)
+    _stage(runner.store, "batch-c", [f"l-{i:02d}" for i in range(60)])
+    runner.ensure_resumed()
+    while len(calls) < 4:
+        await asyncio.sleep(0.01)
+    cancelling = await other.cancel("batch-c")  # Not the replica running it.
+    assert cancelling is not None and cancelling["status"] == "cancelling"
+    assert "batch-c" not in other._tasks
+    done = await _settled(other.store, "batch-c")
+    assert done["status"] == "cancelled"
+    assert len(calls) < 30  # Stopped within a renewal, not run to the end.
+    assert _output_ids(other.store, done) == sorted(calls)
+    assert await other.cancel("batch-c") is None  # Finished: nothing to cancel.
+    assert runner._keeper is not None
+    runner._keeper.cancel()
+
+
+async def test_a_hung_replica_that_wakes_writes_no_record_over_its_successor(
+    tmp_path: Path,
+) -> None:
+    """A replica stopped past its lease (no renewals) while its successor finished the batch:
+    its own finish is refused, and the batch keeps the successor's record."""
+    import asyncio
+
+    from serve_app.batch_api.store import LeaseLost
+
+    hung_calls: list[str] = []
+    hung = _replica(tmp_path, hung_calls, lease_s=0.3, line_s=0.1)
+    successor = _replica(tmp_path, [], lease_s=0.3)
+    contents = [f"l-{i:02d}" for i in range(20)]
+    _stage(hung.store, "batch-h", contents)
+    assert hung.store.leases.claim("batch-h", hung.holder, hung.lease_s)
+    running = asyncio.ensure_future(hung._run("batch-h"))  # No keeper: it never renews.
+    await asyncio.sleep(0.4)
+    successor.ensure_resumed()
+    done = await _settled(successor.store, "batch-h")
+    await running
+    assert successor.store.get_batch("batch-h") == done  # The woken one recorded nothing.
+    assert _output_ids(successor.store, done) == contents  # Each line once.
+    with pytest.raises(LeaseLost):
+        hung.store.update_batch("batch-h", holder=hung.holder, status="failed")
+    assert successor._keeper is not None
+    successor._keeper.cancel()
