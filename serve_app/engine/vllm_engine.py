@@ -194,7 +194,7 @@ class VLLMEngine:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
         self._watchdog.ensure_running()
-        async with self._background.slot(request.priority):
+        async with self._background.slot(request.priority, request.sampling.n):
             if self._fair is None:
                 async for step in self._generate(request):
                     yield step
