@@ -132,3 +132,24 @@ def replica_lost(exc: object) -> bool:
     if isinstance(exc, APIError):
         return exc.info.code == "engine_unavailable"
     return isinstance(exc, RayActorError)
+
+
+def cancelled_here() -> bool:
+    """Whether the running task itself is being cancelled (not a callee's CancelledError)."""
+    import asyncio
+
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def cancelled_by_callee(exc: BaseException | None = None) -> APIError:
+    """A call cancelled on the other side (Serve raises a replica-side cancel in the caller as
+    CancelledError): passed on as is, it would end a stream with no error and no [DONE], and
+    Serve's proxy would log it as the client gone. Logged with where it came from."""
+    logging.getLogger("serve_app.errors").warning("A callee cancelled the request", exc_info=exc)
+    return APIError(
+        "The model replica cancelled the request; retry shortly.",
+        status=503,
+        type="server_error",
+        code="engine_unavailable",
+    )

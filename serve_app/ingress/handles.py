@@ -15,7 +15,7 @@ from typing import Any
 
 from ray.serve.exceptions import BackPressureError
 
-from serve_app.errors import APIError, replica_lost
+from serve_app.errors import APIError, cancelled_by_callee, cancelled_here, replica_lost
 
 logger = logging.getLogger("serve_app.ingress")
 # Before a resubmission: Serve's handle drops a dead replica when the failed call settles.
@@ -88,30 +88,16 @@ async def bounded_stream(
             yield item
     except BackPressureError as exc:
         raise _overloaded(exc) from None
-    except asyncio.CancelledError:
-        if _cancelled_here():
+    except asyncio.CancelledError as exc:
+        if cancelled_here():
             raise
-        # Serve turns a call cancelled on the replica's side (Ray's TaskCancelledError) into
-        # CancelledError: passed on, it would end the client's stream with no error and no
-        # [DONE], as if the router itself had been cancelled.
-        raise APIError(
-            "The model replica cancelled the request; retry shortly.",
-            status=503,
-            type="server_error",
-            code="engine_unavailable",
-        ) from None
+        raise cancelled_by_callee(exc) from None
     finally:
         if not done:
             # Serve's cancel() re-raises a failed assignment (e.g. BackPressureError): that
             # must not replace the error already being raised.
             with contextlib.suppress(Exception):
                 response.cancel()
-
-
-def _cancelled_here() -> bool:
-    """Whether the running task itself is being cancelled (not a callee's CancelledError)."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
 
 
 async def resubmitted_once(

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
 
-from serve_app.errors import stream_error
+from serve_app.errors import cancelled_by_callee, cancelled_here, stream_error
 from serve_app.hops import EngineStep, PreprocessRequest, TokenLogprob
 from serve_app.openai.protocol import (
     ChatChoice,
@@ -203,6 +204,10 @@ async def _stream(
     except Exception as exc:
         # Headers are sent: the error travels as an SSE event, then [DONE].
         yield sse(json.dumps(stream_error(exc).body()))
+    except asyncio.CancelledError as exc:
+        if cancelled_here():  # The client went away.
+            raise
+        yield sse(json.dumps(cancelled_by_callee(exc).info.body()))
     if include_usage:
         final = ChatCompletionChunk(
             id=prepared.request_id,

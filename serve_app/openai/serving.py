@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 from serve_app.config import AppConfig
-from serve_app.errors import APIError, ErrorInfo, model_not_found
+from serve_app.errors import APIError, ErrorInfo, cancelled_by_callee, model_not_found
 from serve_app.hops import (
     EngineRequest,
     EngineStep,
@@ -210,6 +210,8 @@ class OpenAIServing:
                 index, item = await queue.get()
                 if item is None:
                     remaining -= 1
+                elif isinstance(item, asyncio.CancelledError):  # The pump's callee's.
+                    raise cancelled_by_callee(item) from None
                 elif isinstance(item, BaseException):
                     raise item
                 else:

@@ -249,3 +249,29 @@ def test_sse_events_stay_one_line_for_every_line_reader() -> None:
     event = sse(json.dumps({"text": text}, ensure_ascii=False))
     assert event.endswith("\n\n") and len(event[:-2].splitlines()) == 1
     assert json.loads(event[len("data: ") : -2]) == {"text": text}
+
+
+@pytest.mark.parametrize("prompts", [["a"], ["a", "b", "c"]])
+async def test_a_callee_cancel_mid_stream_ends_with_an_error_event_and_done(
+    prompts: list[str],
+) -> None:
+    """Serve raises a replica-side cancel in the router as CancelledError: a stream (one
+    prompt, or several merged) must still end with an error event and [DONE], not be cut."""
+    import asyncio
+
+    async def cut(request: EngineRequest) -> AsyncIterator[EngineStep | ErrorInfo]:
+        yield EngineStep([EngineChunk(0, "Hi", [1])], prompt_tokens=3)
+        if request.request_id.endswith("-0"):
+            raise asyncio.CancelledError
+        await asyncio.sleep(0.05)
+        yield EngineStep([EngineChunk(0, "!", [2], finish_reason="stop")], finished=True)
+
+    request = CompletionRequest.model_validate(
+        {"model": "smollm2-135m-instruct", "prompt": prompts, "stream": True}
+    )
+    stream = await completions.completion(serving(cut), request, RequestStats("cmpl", "m"))
+    assert isinstance(stream, AsyncIterator)
+    events = await _events(stream)
+    assert events[-1] == "data: [DONE]\n\n"
+    error = json.loads(events[-2][6:])["error"]
+    assert error["code"] == "engine_unavailable" and error["message"]
