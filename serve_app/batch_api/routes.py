@@ -63,6 +63,8 @@ def attach(
     """Called by the router replica: open the store and resume batches left active.
     ``refresh``: brings the runtime LoRA adapters up to date (see BatchService)."""
     global _service
+    if root is None and config.batch_api.dir:
+        root = Path(config.batch_api.dir).expanduser().absolute()
     _service = BatchService(serving, config, BatchStore(root), refresh=refresh)
     try:
         asyncio.get_running_loop()

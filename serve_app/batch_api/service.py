@@ -31,7 +31,8 @@ logger = logging.getLogger("serve_app.batch_api")
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 BATCH_PRIORITY = 100  # vLLM: lower runs first; interactive requests default to 0.
 COUNTS_EVERY_S = 1.0  # How often a running batch's request_counts are written.
-RENEWALS_PER_LEASE = 6  # A lease is renewed (and orphans looked for) this often per lease_s.
+RENEWALS_PER_LEASE = 6  # A lease is renewed (and orphans looked for) this often per lease_s,
+TEND_EVERY_S = 1.0  # and at least once a second: a cancel through any replica acts in 1 s.
 
 
 class BatchService:
@@ -103,7 +104,7 @@ class BatchService:
                 await self._tend()
             except Exception:  # E.g. the store briefly locked: the next round tries again.
                 logger.exception("Tending batch leases failed")
-            await asyncio.sleep(self.lease_s / RENEWALS_PER_LEASE)
+            await asyncio.sleep(min(TEND_EVERY_S, self.lease_s / RENEWALS_PER_LEASE))
 
     async def _tend(self) -> None:
         leases, io = self.store.leases, asyncio.to_thread

@@ -1,0 +1,98 @@
+"""The Batch API across two router replicas of one Serve app, one of them killed mid-batch.
+
+One app for the module: two router replicas sharing one batch store (``batch_api.dir``), a
+short lease (3 s) so the batch of a killed replica moves on quickly. The openai client talks
+to Serve's proxy, which spreads its calls over both routers; the replica running the batch is
+SIGKILLed (as a node loss would end it) and the other one, or its replacement, finishes the
+500 lines: each custom_id once, and the lines the dead one had recorded not run again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from openai import OpenAI
+
+from serve_app.batch_api.store import BatchStore
+from tests.serve.test_batch_api import by_custom_id, chat_line, jsonl
+from tests.serve.test_scale_survive import _deploy, _replica_pids
+
+APP = "batchfleet"
+LINES = 500
+
+
+@pytest.fixture(scope="module")
+def fleet(base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    from ray import serve
+
+    store_dir = tmp_path_factory.mktemp("fleet-batches")
+    overrides: dict[str, Any] = {
+        "engine": {"kv_cache_space_gib": 1, "num_cpus": 0.1},
+        "router": {"num_cpus": 0.05, "num_replicas": 2},
+        "preprocessor": {"num_cpus": 0.05},
+        "batch_api": {"lease_s": 3, "dir": str(store_dir)},
+    }
+    try:
+        yield _deploy(base_url, APP, overrides), store_dir
+    finally:  # Also when the deploy or a test failed.
+        serve.delete(APP)
+
+
+def _retrieve(client: OpenAI, batch_id: str) -> Any:
+    """The batch; a call that reached the killed replica before Serve replaced it is retried."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return client.batches.retrieve(batch_id)
+        except (openai.APIConnectionError, openai.InternalServerError):
+            assert time.monotonic() < deadline, "no router answered for a minute"
+            time.sleep(0.5)
+
+
+def test_a_killed_runner_loses_and_repeats_no_line(fleet: tuple[str, Path]) -> None:
+    url, store_dir = fleet
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    routers = set(_replica_pids(APP, "Router"))
+    assert len(routers) == 2, routers
+    # Lengths spread out, so lines finish one after another rather than all at once.
+    lines = [
+        chat_line(f"k-{i}", f"Tell a story number {i}.", max_tokens=2 + i % 8) for i in range(LINES)
+    ]
+    upload = client.files.create(file=("k.jsonl", jsonl(lines)), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    store = BatchStore(store_dir)
+    deadline = time.monotonic() + 180
+    while (counts := _retrieve(client, batch.id).request_counts) is None or counts.completed < 8:
+        assert time.monotonic() < deadline, "no line finished"
+        time.sleep(0.2)
+    runner = store.leases.holder(batch.id)
+    pid = int(runner.split(":")[1])
+    assert pid in routers, (runner, routers)
+    os.kill(pid, signal.SIGKILL)
+    # What the killed replica had recorded: those lines must come out as recorded, not rerun.
+    recorded = {r["custom_id"]: r["id"] for r in store.read_partial(batch.id, "output")}
+    assert 8 <= len(recorded) < LINES, "finished before the replica died: nothing to take over"
+
+    deadline = time.monotonic() + 300
+    while (done := _retrieve(client, batch.id)).status not in ("completed", "failed"):
+        assert time.monotonic() < deadline, f"batch still {done.status}"
+        time.sleep(0.5)
+    assert done.status == "completed", done
+    assert store.leases.holder(batch.id) != runner
+    assert done.request_counts is not None
+    assert (done.request_counts.completed, done.request_counts.failed) == (LINES, 0)
+    outputs = by_custom_id(client, done.output_file_id)  # Asserts each custom_id once.
+    assert set(outputs) == {line["custom_id"] for line in lines}
+    assert all(outputs[custom_id]["id"] == id_ for custom_id, id_ in recorded.items())
+    assert all(line["response"]["status_code"] == 200 for line in outputs.values())
+    assert done.error_file_id is None or not client.files.content(done.error_file_id).text
+    print(f"\nkilled {runner} after {len(recorded)} of {LINES} lines; finished by another")
