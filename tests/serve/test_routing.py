@@ -144,7 +144,13 @@ def routing_url(base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
         _wait_for_engines(2)
         yield url
     finally:  # Also when the deploy or a test failed.
-        serve.delete(APP)
+        # Engines drain for up to graceful_shutdown_timeout_s (60 s): more than serve.delete's
+        # own 60-second wait on a busy machine, so wait here, longer.
+        serve.delete(APP, _blocking=False)
+        deadline = time.monotonic() + 300
+        while APP in serve.status().applications:
+            assert time.monotonic() < deadline, f"{APP} still deleting after 300 s"
+            time.sleep(1)
 
 
 @pytest.fixture(scope="module")
