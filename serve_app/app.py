@@ -9,6 +9,7 @@ from typing import Any
 
 from ray.serve import Application
 
+from serve_app.batch_api.deployment import BatchCoordinator
 from serve_app.config import AppConfig
 from serve_app.config.app import deployment_suffix
 from serve_app.config.model import check_adapter
@@ -113,7 +114,8 @@ def check_placement(config: AppConfig, nodes: list[dict[str, Any]] | None = None
 
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     """Build the Serve application from a Serve config's ``args`` (validated as AppConfig):
-    a router over one preprocessor and one engine deployment per served model."""
+    a router over one preprocessor and one engine deployment per served model, and the batch
+    coordinator (the Batch API) over the same ones."""
     config = args if isinstance(args, AppConfig) else AppConfig.model_validate(args or {})
     singles = config.per_model()
     backends: dict[str, dict[str, Application]] = {}
@@ -135,5 +137,8 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
             name=f"Engine{suffix}", **engine_options(single)
         ).bind(plain)
         backends[single.model.public_name] = {"preprocessor": preprocessor, "engine": engine}
+    coordinator = BatchCoordinator.options(  # type: ignore[attr-defined]
+        **_with_env(config.batch_api.coordinator_options(), {})
+    ).bind(backends, config.as_args())
     router = Router.options(**_with_env(config.router.deployment_options(), {}))  # type: ignore[attr-defined]
-    return router.bind(backends, config.as_args())
+    return router.bind(backends, coordinator, config.as_args())

@@ -1,12 +1,13 @@
-"""One owner per batch: a lease in the store that every router replica shares.
+"""One owner per batch: a lease in the store, shared by every process that opens it.
 
-A router replica runs a batch only while it holds the batch's lease, which it renews every few
-seconds; each renewal also brings back the batch's status, so a cancel made through any
-replica reaches the one running it. A lease nobody renews (its replica died, hung, or was
-drained away) expires, and the first replica to see that takes the batch over and resumes it
-from its partial files. A replica that finds its lease taken stops the batch; its record
-writes are fenced (``BatchStore.update_batch(holder=...)``), so they land only under the lease.
-Claims and renewals are single SQLite statements: two replicas never both win one.
+A coordinator process runs a batch only while it holds the batch's lease, which it renews every
+second; each renewal also brings back the batch's status, so a cancel made through any router
+reaches the one running it. A lease nobody renews (its process died, hung, or was drained
+away) expires, and the first process to see that (the coordinator's replacement, or a new one
+during an upgrade) takes the batch over and resumes it from its partial files. A process that
+finds its lease taken stops the batch; its record writes are fenced
+(``BatchStore.update_batch(holder=...)``), so they land only under the lease. Claims and
+renewals are single SQLite statements: two processes never both win one.
 """
 
 from __future__ import annotations

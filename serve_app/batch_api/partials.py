@@ -1,5 +1,5 @@
 """Progress of a running batch: its result lines, appended to ``<batch_id>.output.partial`` and
-``<batch_id>.error.partial`` as they come, so a restarted (or another) router replica resumes the
+``<batch_id>.error.partial`` as they come, so a restarted (or another) coordinator resumes the
 batch without redoing or duplicating finished lines; published as the batch's files at the end.
 """
 

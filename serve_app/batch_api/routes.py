@@ -1,17 +1,15 @@
-"""The OpenAI Batch API on the serving app: /v1/files and /v1/batches as a FastAPI router.
+"""The OpenAI Batch API over HTTP: /v1/files and /v1/batches, forwarded to the batch coordinator.
 
-Batches run inside the router replica as background tasks through the same ``OpenAIServing``
-as the HTTP routes, at a low vLLM priority (a larger number: interactive traffic goes first).
-Batches left active by a previous router are resumed from their partial output on start.
-Wiring: ``app.include_router(batch_api.router)`` before ``@serve.ingress`` and
-``batch_api.attach(serving_for, self.config)`` in the router's ``__init__``.
+A router replica runs no batch and opens no store: every route forwards to ``BatchApi`` (the
+operations, ``api``) in the coordinator deployment through its handle (``connect``), or, for a
+standalone app, in this process (``attach``). Uploads go over in parts of ``UPLOAD_PART``
+bytes and downloads come back in chunks, so a router never holds a whole file.
+Wiring: ``app.include_router(batch_api.router)`` before ``@serve.ingress``, then ``connect``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -19,20 +17,23 @@ from typing import Any
 from fastapi import APIRouter, File, Form, Query, Request, UploadFile
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
+from ray.serve.handle import DeploymentHandle
 
+from serve_app.batch_api.api import BatchApi
+from serve_app.batch_api.ids import new_id
 from serve_app.batch_api.input import parse_input
 from serve_app.batch_api.service import ENDPOINTS, BatchService
-from serve_app.batch_api.store import BatchStore, new_id
-from serve_app.batch_api.window import window_seconds
+from serve_app.batch_api.store import BatchStore
 from serve_app.config import AppConfig
-from serve_app.errors import APIError
+from serve_app.errors import APIError, backend_error
 from serve_app.ingress.tenancy import tenant_of
-from serve_app.openai.charging import request_charge
 from serve_app.openai.protocol import ErrorResponse
 from serve_app.openai.serving import OpenAIServing, ServingFor
 
-__all__ = ["ENDPOINTS", "BatchService", "attach", "parse_input", "router", "service"]
+__all__ = ["ENDPOINTS", "BatchService", "attach", "connect", "parse_input", "router"]
 
+UPLOAD_PART = 4 * 1024 * 1024  # Bytes of an upload per call to the coordinator.
+CALL_TIMEOUT_S = 60.0  # A coordinator call past this (it is restarting): 503, retry.
 
 # Documented error statuses (OpenAI's error body), so clients and schema checks know them.
 router = APIRouter(
@@ -47,11 +48,71 @@ class BatchCreate(BaseModel):
     metadata: dict[str, str] | None = None
 
 
-def not_found(kind: str, object_id: str) -> APIError:
-    return APIError(f"No {kind} with id {object_id!r}.", status=404, code="not_found")
+class _Local:
+    """``BatchApi`` in this process (a standalone app, tests)."""
+
+    def __init__(self, api: BatchApi) -> None:
+        self.api = api
+
+    async def call(self, method: str, *args: Any) -> Any:
+        self.api.start()
+        return await getattr(self.api, method)(*args)
+
+    def stream(self, method: str, *args: Any) -> AsyncIterator[Any]:
+        self.api.start()
+        return getattr(self.api, method)(*args)
 
 
-_service: BatchService | None = None
+class _Remote:
+    """``BatchApi`` in the coordinator deployment; its outages are 503s a client retries."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self.handle = handle
+
+    async def call(self, method: str, *args: Any) -> Any:
+        try:
+            return await asyncio.wait_for(
+                getattr(self.handle, method).remote(*args), CALL_TIMEOUT_S
+            )
+        except TimeoutError:
+            raise _unavailable() from None
+        except Exception as exc:
+            raise _translated(exc) from None
+
+    async def stream(self, method: str, *args: Any) -> AsyncIterator[Any]:
+        items = getattr(self.handle.options(stream=True), method).remote(*args)
+        try:
+            while True:
+                try:
+                    yield await asyncio.wait_for(items.__anext__(), CALL_TIMEOUT_S)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise _unavailable() from None
+                except APIError:
+                    raise
+                except Exception as exc:
+                    raise _translated(exc) from None
+        finally:
+            items.cancel()
+
+
+def _unavailable() -> APIError:
+    return APIError(
+        f"The batch coordinator did not answer within {CALL_TIMEOUT_S:g} s (restarting); "
+        "retry shortly.",
+        status=503,
+        type="server_error",
+        code="backend_unavailable",
+    )
+
+
+def _translated(exc: Exception) -> Exception:
+    info = backend_error(exc)
+    return APIError.from_info(info) if info is not None else exc
+
+
+_client: _Local | _Remote | None = None
 
 
 def attach(
@@ -60,32 +121,34 @@ def attach(
     root: Path | None = None,
     refresh: Callable[[], Awaitable[None]] | None = None,
 ) -> BatchService:
-    """Called by the router replica: open the store and resume batches left active.
-    ``refresh``: brings the runtime LoRA adapters up to date (see BatchService)."""
-    global _service
+    """Serve the Batch API from this process (a standalone app): open the store and resume
+    batches left active. ``refresh``: brings the runtime LoRA adapters up to date."""
+    global _client
     if root is None and config.batch_api.dir:
         root = Path(config.batch_api.dir).expanduser().absolute()
-    _service = BatchService(serving, config, BatchStore(root), refresh=refresh)
+    service = BatchService(serving, config, BatchStore(root), refresh=refresh)
+    _client = _Local(BatchApi(service))
     try:
         asyncio.get_running_loop()
-        _service.ensure_resumed()
+        _client.api.start()
     except RuntimeError:  # No loop yet: resumed on the first Batch API call.
         pass
-    return _service
+    return service
 
 
-def service() -> BatchService:
-    if _service is None:
+def connect(coordinator: DeploymentHandle) -> None:
+    """Forward the Batch API to the coordinator deployment (a router replica)."""
+    global _client
+    _client = _Remote(coordinator)
+
+
+def client() -> _Local | _Remote:
+    if _client is None:
         raise APIError("The Batch API is not enabled.", status=503, type="server_error")
-    _service.ensure_resumed()
-    return _service
+    return _client
 
 
 # Routes -----------------------------------------------------------------------------------
-
-
-# Files and batches belong to the API key that created them (its name; "" without keys):
-# another key gets 404 for them, as for ids that do not exist, and never lists them.
 
 
 @router.post("/v1/files")
@@ -96,54 +159,40 @@ async def create_file(
 ) -> JSONResponse:
     if purpose != "batch":
         raise APIError("Only purpose=batch is supported.", param="purpose")
-    name = file.filename or "upload.jsonl"
     # Starlette spooled the upload to a temporary file as it arrived (the middleware streams
-    # this route's body, within batch_api.max_file_bytes); copied to the store in a thread.
-    await file.seek(0)
+    # this route's body, within batch_api.max_file_bytes); it goes on in parts.
+    upload_id, size, api = new_id("upload"), 0, client()
     try:
-        stored = await asyncio.to_thread(
-            service().store.create_file_from, file.file, name, purpose, tenant_of(request)
-        )
+        await file.seek(0)
+        while part := await file.read(UPLOAD_PART):
+            await api.call("upload_part", upload_id, size, part)
+            size += len(part)
+        stored = await api.call(
+            "finish_upload", upload_id, size, file.filename or "upload.jsonl", purpose,
+            tenant_of(request),
+        )  # fmt: skip
     finally:
         await file.close()
     return JSONResponse(stored)
 
 
-async def _file(file_id: str, request: Request) -> dict[str, Any]:
-    found = await asyncio.to_thread(service().store.get_file, file_id, tenant_of(request))
-    if found is None:
-        raise not_found("file", file_id)
-    return found
-
-
 @router.get("/v1/files/{file_id}")
 async def retrieve_file(file_id: str, request: Request) -> JSONResponse:
-    return JSONResponse(await _file(file_id, request))
-
-
-DOWNLOAD_CHUNK = 256 * 1024
+    return JSONResponse(await client().call("get_file", file_id, tenant_of(request)))
 
 
 @router.get("/v1/files/{file_id}/content")
 async def file_content(file_id: str, request: Request) -> Response:
-    """Streamed from disk in 256 KiB chunks: a download never holds a whole file in memory.
-
-    The file is opened before the response starts, so a delete meanwhile (the open handle
-    outlives the name) cannot cut it short or turn it into a 500.
-    """
-    await _file(file_id, request)
-    try:
-        handle = await asyncio.to_thread(service().store.file_path(file_id).open, "rb")
-    except FileNotFoundError:
-        raise not_found("file", file_id) from None
-    size = os.fstat(handle.fileno()).st_size
+    """Streamed in 256 KiB chunks: a download never holds a whole file in memory."""
+    items = client().stream("file_content", file_id, tenant_of(request))
+    size = await items.__anext__()  # A missing or foreign file: 404 before any byte is sent.
 
     async def chunks() -> AsyncIterator[bytes]:
         try:
-            while chunk := await asyncio.to_thread(handle.read, DOWNLOAD_CHUNK):
+            async for chunk in items:
                 yield chunk
-        finally:
-            handle.close()
+        finally:  # The client went away: the coordinator's stream stops too.
+            await items.aclose()  # type: ignore[attr-defined]
 
     return StreamingResponse(
         chunks(), media_type="application/octet-stream", headers={"content-length": str(size)}
@@ -152,103 +201,26 @@ async def file_content(file_id: str, request: Request) -> Response:
 
 @router.delete("/v1/files/{file_id}")
 async def delete_file(file_id: str, request: Request) -> JSONResponse:
-    if not await asyncio.to_thread(service().store.delete_file, file_id, tenant_of(request)):
-        raise not_found("file", file_id)
-    return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+    return JSONResponse(await client().call("delete_file", file_id, tenant_of(request)))
 
 
 @router.post("/v1/batches")
 async def create_batch(body: BatchCreate, request: Request) -> JSONResponse:
-    svc = service()
-    if body.endpoint not in ENDPOINTS:
-        raise APIError(f"endpoint must be one of {', '.join(ENDPOINTS)}.", param="endpoint")
-    window_s = window_seconds(body.completion_window)
-    await _file(body.input_file_id, request)
-    content = await asyncio.to_thread(svc.store.file_content, body.input_file_id)
-    parsed = await asyncio.to_thread(parse_input, content, body.endpoint)
-    now = int(time.time())
-    batch: dict[str, Any] = {
-        "id": new_id("batch"),
-        "object": "batch",
-        "endpoint": body.endpoint,
-        "errors": None,
-        "input_file_id": body.input_file_id,
-        "completion_window": body.completion_window,
-        "status": "validating",
-        "output_file_id": None,
-        "error_file_id": None,
-        "created_at": now,
-        "expires_at": now + window_s,
-        "request_counts": {"total": parsed.total, "completed": 0, "failed": 0},
-        "metadata": body.metadata,
-    }
-    for stamp in ("in_progress_at", "finalizing_at", "completed_at", "failed_at"):
-        batch[stamp] = None
-    batch |= {"expired_at": None, "cancelling_at": None, "cancelled_at": None}
-    owner, security = tenant_of(request), svc.config.security
-    tokens = sum(
-        request_charge(body.endpoint, line["body"], security.unset_max_tokens_charge)
-        for line in parsed.lines
-    )
-    limit = security.batch_queue_tokens_for(owner)
-    enqueued = await asyncio.to_thread(
-        svc.store.create_batch_within,
-        batch,
-        owner,
-        tokens,
-        limit,
-        holder=svc.holder,
-        lease_s=svc.lease_s,
-    )
-    if enqueued is not None:
-        raise APIError(
-            f"Enqueued token limit reached for key `{owner or 'default'}`: {enqueued} tokens "
-            f"in unfinished batches plus {tokens} for this one would pass its limit of "
-            f"{limit}. Wait for a batch to finish, or split this one.",
-            status=429,
-            type="tokens",
-            code="batch_queue_limit_exceeded",
-        )
-    svc.start(batch["id"])
-    return JSONResponse(batch)
-
-
-async def _batch(batch_id: str, request: Request) -> dict[str, Any]:
-    found = await asyncio.to_thread(service().store.get_batch, batch_id, tenant_of(request))
-    if found is None:
-        raise not_found("batch", batch_id)
-    return found
+    return JSONResponse(await client().call("create_batch", body.model_dump(), tenant_of(request)))
 
 
 @router.get("/v1/batches/{batch_id}")
 async def retrieve_batch(batch_id: str, request: Request) -> JSONResponse:
-    return JSONResponse(await _batch(batch_id, request))
+    return JSONResponse(await client().call("get_batch", batch_id, tenant_of(request)))
 
 
 @router.get("/v1/batches")
 async def list_batches(
     request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100)
 ) -> JSONResponse:
-    data, has_more = await asyncio.to_thread(
-        service().store.list_batches, after, limit, tenant_of(request)
-    )
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": has_more,
-        }
-    )
+    return JSONResponse(await client().call("list_batches", after, limit, tenant_of(request)))
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(batch_id: str, request: Request) -> JSONResponse:
-    batch = await _batch(batch_id, request)
-    if batch["status"] not in ("validating", "in_progress"):
-        raise APIError(f"Cannot cancel a batch that is {batch['status']}.", code="invalid_state")
-    cancelling = await service().cancel(batch_id)
-    if cancelling is None:  # It finished meanwhile.
-        raise APIError("Cannot cancel a batch that has finished.", code="invalid_state")
-    return JSONResponse(cancelling)
+    return JSONResponse(await client().call("cancel_batch", batch_id, tenant_of(request)))

@@ -1,10 +1,10 @@
-"""Batches of the OpenAI Batch API, run in the router replica through ``OpenAIServing``.
+"""Batches of the OpenAI Batch API, run in the batch coordinator through ``OpenAIServing``.
 
 Each request line goes through the same ``chat_completion`` / ``completion`` as the HTTP
 routes, at a low vLLM priority (a larger number, so interactive traffic goes first). Results are
-appended line by line to partial files, so a restarted router resumes without redoing or
-duplicating finished lines. Every router replica may take batches, but a batch runs in one
-at a time: the one holding its lease (``leases``), which any replica takes over once it lapses.
+appended line by line to partial files, so a restarted coordinator resumes without redoing or
+duplicating finished lines. A batch runs in one process at a time: the one holding its lease
+(``leases``), which a successor (or a second process on the same store) takes over once it lapses.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ TEND_EVERY_S = 1.0  # and at least once a second: a cancel through any replica a
 
 
 class BatchService:
-    """Owns the store and the background tasks of running batches (one router replica)."""
+    """Owns the store and the background tasks of running batches (one coordinator process)."""
 
     def __init__(
         self,
@@ -56,7 +56,7 @@ class BatchService:
         self.config, self.store = config, store
         self.priority, self.max_in_flight = priority, max_in_flight
         # Brings runtime LoRA adapters up to date before a line is routed (loads and unloads
-        # through other router replicas; at most one store read a second).
+        # through any router replica; at most one store read a second).
         self.refresh = refresh
         self.lease_s = lease_s or config.batch_api.lease_s
         # Unique per service, not per host: a restarted replica must not pass for its old self.

@@ -2,7 +2,7 @@
 
 Default location ``$SERVE_APP_CACHE/batches`` (``$SERVE_APP_BATCH_DIR`` overrides). Progress of
 a running batch is appended to ``<batch_id>.output.partial`` / ``.error.partial`` line by line,
-so a restarted router resumes a batch without redoing or duplicating finished lines.
+so a restarted coordinator resumes a batch without redoing or duplicating finished lines.
 """
 
 from __future__ import annotations
@@ -82,14 +82,29 @@ class BatchStore(PartialFiles):
         whole), make it durable, then record it: a crash leaves no row without its file.
         ``file_id``: replace that file (a batch's output, published again after a crash)."""
         file_id = file_id or new_id("file")
-        path = self.file_path(file_id)
-        tmp = path.with_suffix(".tmp")
+        tmp = self.file_path(file_id).with_suffix(".tmp")
         with tmp.open("wb") as out:
             shutil.copyfileobj(source, out, COPY_CHUNK)
-            size = out.tell()
-            out.flush()
+        return self.adopt_file(tmp, filename, purpose, owner, file_id=file_id)
+
+    def adopt_file(
+        self,
+        source: Path,
+        filename: str,
+        purpose: str,
+        owner: str = "",
+        *,
+        file_id: str | None = None,
+    ) -> dict[str, Any]:
+        """Move ``source`` (a file on the store's own disk, e.g. a finished upload) into the
+        store: made durable and renamed first, then recorded, so a crash leaves no row
+        without its file."""
+        file_id = file_id or new_id("file")
+        path = self.file_path(file_id)
+        with source.open("rb+") as out:
+            size = os.fstat(out.fileno()).st_size
             os.fsync(out.fileno())
-        tmp.replace(path)
+        source.replace(path)
         _fsync_dir(path.parent)  # The rename itself survives a power cut.
         file: dict[str, Any] = {
             "id": file_id,

@@ -12,7 +12,7 @@ from ray.serve.handle import DeploymentHandle
 from serve_app.config import AppConfig
 from serve_app.errors import BACKEND_UNAVAILABLE, APIError, model_not_found
 from serve_app.hops import EngineRequest, LoraAdapter, PreprocessRequest, PreprocessResult
-from serve_app.ingress.adapters import RuntimeAdapters
+from serve_app.ingress.adapters import GcsStore, RuntimeAdapters
 from serve_app.ingress.handles import RESUBMIT_ASSIGN_S, bounded_stream, resubmitted_once
 from serve_app.ingress.readiness import Readiness, engine_running
 from serve_app.openai.serving import OpenAIServing
@@ -104,6 +104,33 @@ class ModelBackends:
         self._by_model = {b.name: b for b in backends}
         self.runtime = runtime
         self._runtime_servings: dict[LoraAdapter, OpenAIServing] = {}
+
+    @classmethod
+    def build(
+        cls,
+        config: AppConfig,
+        handles: dict[str, dict[str, DeploymentHandle]],
+        app_name: str,
+        on_resubmit: Callable[[str], None] = lambda _: None,
+    ) -> ModelBackends:
+        """``handles``: per served model name, its ``preprocessor`` and ``engine`` handles;
+        runtime adapters shared through Ray's GCS where some model allows them."""
+        runtime = None
+        if any(c.model.max_runtime_adapters for c in config.per_model()):
+            runtime = RuntimeAdapters(GcsStore(), app_name, config.served_names)
+        return cls(
+            [
+                ModelBackend(
+                    single,
+                    handles[single.model.public_name]["preprocessor"],
+                    handles[single.model.public_name]["engine"],
+                    app_name=app_name,
+                    on_resubmit=on_resubmit,
+                )
+                for single in config.per_model()
+            ],
+            runtime=runtime,
+        )
 
     def get(self, model: str) -> ModelBackend:
         """The backend serving ``model``; else 404 naming the served ones."""

@@ -19,8 +19,7 @@ from serve_app.config import AppConfig, RoutingConfig
 from serve_app.errors import BACKEND_UNAVAILABLE, APIError, ErrorInfo
 from serve_app.hops import PreprocessRequest, SamplingSpec
 from serve_app.ingress import http_errors, lora_admin
-from serve_app.ingress.adapters import GcsStore, RuntimeAdapters
-from serve_app.ingress.backends import ModelBackend, ModelBackends
+from serve_app.ingress.backends import ModelBackends
 from serve_app.ingress.handles import timeout_error
 from serve_app.ingress.http_errors import error_response
 from serve_app.ingress.keepalive import KeepAliveStreamingResponse, answer_later
@@ -69,20 +68,17 @@ def session_key(routing: RoutingConfig, headers: Mapping[str, str], user: str | 
     return key[:256] if key else None  # Only hashed: a longer key adds nothing.
 
 
-def _runtime_adapters(config: AppConfig, app_name: str) -> RuntimeAdapters | None:
-    """The runtime adapters' shared view, where some model allows them."""
-    if not any(c.model.max_runtime_adapters for c in config.per_model()):
-        return None
-    return RuntimeAdapters(GcsStore(), app_name, config.served_names)
-
-
 @serve.deployment(name="Router")
 @serve.ingress(app)
 class Router:
     def __init__(
-        self, backends: dict[str, dict[str, DeploymentHandle]], config: dict[str, Any]
+        self,
+        backends: dict[str, dict[str, DeploymentHandle]],
+        batch_coordinator: DeploymentHandle,
+        config: dict[str, Any],
     ) -> None:
-        """``backends``: per served model name, its ``preprocessor`` and ``engine`` handles."""
+        """``backends``: per served model name, its ``preprocessor`` and ``engine`` handles;
+        ``batch_coordinator``: where /v1/files and /v1/batches are forwarded."""
         self.config = AppConfig.model_validate(config)
         app_name = serve.get_replica_context().app_name
         configure(
@@ -92,20 +88,13 @@ class Router:
         )
         tracing.configure(self.config.tracing.exporter)
         self.metrics = RouterMetrics(app_name)
-        self.backends = ModelBackends(
-            [
-                ModelBackend(
-                    single,
-                    backends[single.model.public_name]["preprocessor"],
-                    backends[single.model.public_name]["engine"],
-                    app_name=app_name,
-                    on_resubmit=lambda model: self.metrics.resubmissions.inc(1, {"model": model}),
-                )
-                for single in self.config.per_model()
-            ],
-            runtime=_runtime_adapters(self.config, app_name),
+        self.backends = ModelBackends.build(
+            self.config,
+            backends,
+            app_name,
+            on_resubmit=lambda model: self.metrics.resubmissions.inc(1, {"model": model}),
         )
-        batch_routes.attach(self.backends.serving, self.config, refresh=self.backends.fresh)
+        batch_routes.connect(batch_coordinator)
         lora_admin.attach(self.backends, self.config.security)
 
     async def _with_timeout(self, work: Any) -> Any:

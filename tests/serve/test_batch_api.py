@@ -133,6 +133,13 @@ def by_custom_id(client: OpenAI, file_id: str | None) -> dict[str, dict[str, Any
     return {line["custom_id"]: line for line in lines}
 
 
+def _local_service() -> Any:
+    """The standalone app's batch service (what ``batch_api.attach`` made)."""
+    local = batch_api._client
+    assert isinstance(local, batch_api._Local)
+    return local.api.service
+
+
 def test_batch_end_to_end(bclient: OpenAI) -> None:
     lines = [chat_line(f"q-{i}", f"Say the number {i}.") for i in range(8)]
     lines.append(chat_line("bad-model", "hi", model="nope"))
@@ -311,8 +318,7 @@ def test_resume_after_restart(bclient: OpenAI, batch_server: tuple[str, Path]) -
     store.append_partial("batch-resume", "output", earlier)
     with store.partial_path("batch-resume", "output").open("a") as handle:
         handle.write('{"torn line')  # the crash happened mid-write
-    old = batch_api._service
-    assert old is not None
+    old = _local_service()
     batch_api.attach(old.serving_for, old.config, root)  # a restarted router replica
     done = wait_done(bclient, "batch-resume")
     assert done.status == "completed"
@@ -330,8 +336,8 @@ def test_another_replica_finishes_the_batch_of_one_that_died(
     from serve_app.batch_api.service import BatchService
 
     _, root = batch_server
-    dying = batch_api._service
-    assert dying is not None and dying._keeper is not None
+    dying = _local_service()
+    assert dying._keeper is not None
     loop = dying._keeper.get_loop()  # The server's loop, where the engine runs.
     survivor = BatchService(dying.serving_for, dying.config, BatchStore(root))
 

@@ -1,10 +1,11 @@
-"""The Batch API across two router replicas of one Serve app, one of them killed mid-batch.
+"""The Batch API of one Serve app with two router replicas, its coordinator killed mid-batch.
 
-One app for the module: two router replicas sharing one batch store (``batch_api.dir``), a
-short lease (3 s) so the batch of a killed replica moves on quickly. The openai client talks
-to Serve's proxy, which spreads its calls over both routers; the replica running the batch is
-SIGKILLed (as a node loss would end it) and the other one, or its replacement, finishes the
-500 lines: each custom_id once, and the lines the dead one had recorded not run again.
+One app for the module: two router replicas forwarding /v1/files and /v1/batches to the batch
+coordinator, a short lease (3 s) so the batch of a killed coordinator moves on quickly. The
+openai client talks to Serve's proxy, which spreads its calls over both routers; the
+coordinator's process is SIGKILLed mid-batch (as a node loss would end it) and its replacement
+finishes the 500 lines: each custom_id once, and the lines the dead one had recorded not run
+again.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def fleet(base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
 
 
 def _retrieve(client: OpenAI, batch_id: str) -> Any:
-    """The batch; a call that reached the killed replica before Serve replaced it is retried."""
+    """The batch; a call answered 503 while Serve replaces the coordinator is retried."""
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -56,11 +57,13 @@ def _retrieve(client: OpenAI, batch_id: str) -> Any:
             time.sleep(0.5)
 
 
-def test_a_killed_runner_loses_and_repeats_no_line(fleet: tuple[str, Path]) -> None:
+def test_a_killed_coordinator_loses_and_repeats_no_line(fleet: tuple[str, Path]) -> None:
     url, store_dir = fleet
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     routers = set(_replica_pids(APP, "Router"))
     assert len(routers) == 2, routers
+    coordinators = set(_replica_pids(APP, "BatchCoordinator"))
+    assert len(coordinators) == 1, coordinators
     # Lengths spread out, so lines finish one after another rather than all at once.
     lines = [
         chat_line(f"k-{i}", f"Tell a story number {i}.", max_tokens=2 + i % 8) for i in range(LINES)
@@ -76,11 +79,11 @@ def test_a_killed_runner_loses_and_repeats_no_line(fleet: tuple[str, Path]) -> N
         time.sleep(0.2)
     runner = store.leases.holder(batch.id)
     pid = int(runner.split(":")[1])
-    assert pid in routers, (runner, routers)
+    assert pid in coordinators, (runner, coordinators)  # Routers run no batch.
     os.kill(pid, signal.SIGKILL)
-    # What the killed replica had recorded: those lines must come out as recorded, not rerun.
+    # What the killed process had recorded: those lines must come out as recorded, not rerun.
     recorded = {r["custom_id"]: r["id"] for r in store.read_partial(batch.id, "output")}
-    assert 8 <= len(recorded) < LINES, "finished before the replica died: nothing to take over"
+    assert 8 <= len(recorded) < LINES, "finished before the kill: nothing to take over"
 
     deadline = time.monotonic() + 300
     while (done := _retrieve(client, batch.id)).status not in ("completed", "failed"):
@@ -88,6 +91,7 @@ def test_a_killed_runner_loses_and_repeats_no_line(fleet: tuple[str, Path]) -> N
         time.sleep(0.5)
     assert done.status == "completed", done
     assert store.leases.holder(batch.id) != runner
+    assert set(_replica_pids(APP, "BatchCoordinator")) - coordinators  # Its replacement.
     assert done.request_counts is not None
     assert (done.request_counts.completed, done.request_counts.failed) == (LINES, 0)
     outputs = by_custom_id(client, done.output_file_id)  # Asserts each custom_id once.
@@ -95,4 +99,4 @@ def test_a_killed_runner_loses_and_repeats_no_line(fleet: tuple[str, Path]) -> N
     assert all(outputs[custom_id]["id"] == id_ for custom_id, id_ in recorded.items())
     assert all(line["response"]["status_code"] == 200 for line in outputs.values())
     assert done.error_file_id is None or not client.files.content(done.error_file_id).text
-    print(f"\nkilled {runner} after {len(recorded)} of {LINES} lines; finished by another")
+    print(f"\nkilled {runner} after {len(recorded)} of {LINES} lines; its replacement finished")

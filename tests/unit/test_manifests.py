@@ -236,8 +236,13 @@ def test_metrics_port_is_exported(cluster_spec: dict[str, Any]) -> None:
         assert {"containerPort": 8080, "name": "metrics"} in container(group)["ports"]
 
 
+def _claim(name: str) -> dict[str, Any]:
+    (found,) = [c for c in kind("PersistentVolumeClaim") if c["metadata"]["name"] == name]
+    return found
+
+
 def test_every_pod_reads_the_model_from_the_shared_volume(cluster_spec: dict[str, Any]) -> None:
-    (pvc,) = kind("PersistentVolumeClaim")
+    pvc = _claim("serve-app-model-cache")
     assert "ReadWriteMany" in pvc["spec"]["accessModes"]
     for group in all_groups(cluster_spec):
         spec, main = group["template"]["spec"], container(group)
@@ -250,6 +255,33 @@ def test_every_pod_reads_the_model_from_the_shared_volume(cluster_spec: dict[str
         env = {e["name"]: e.get("value") for e in main["env"]}
         for variable in ("HF_HOME", "SERVE_APP_CACHE"):
             assert any(str(env.get(variable, "")).startswith(m) for m in mounts), variable
+
+
+def test_the_batch_store_is_on_the_head_nodes_own_volume(
+    cluster_spec: dict[str, Any], serve_config: dict[str, Any]
+) -> None:
+    """SQLite never on a network filesystem: a ReadWriteOnce claim mounted on the head pod only,
+    where the coordinator is pinned, and $SERVE_APP_BATCH_DIR on it."""
+    pvc = _claim("serve-app-batches")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteOnce"] and "storageClassName" not in pvc["spec"]
+    head = cluster_spec["headGroupSpec"]
+    volumes = {
+        v["name"]
+        for v in head["template"]["spec"]["volumes"]
+        if v.get("persistentVolumeClaim", {}).get("claimName") == "serve-app-batches"
+    }
+    mounts = [m["mountPath"] for m in container(head)["volumeMounts"] if m["name"] in volumes]
+    env = {e["name"]: e.get("value") for e in container(head)["env"]}
+    assert mounts and str(env["SERVE_APP_BATCH_DIR"]).startswith(mounts[0])
+    for group in cluster_spec["workerGroupSpecs"]:
+        claims = {
+            v.get("persistentVolumeClaim", {}).get("claimName")
+            for v in group["template"]["spec"]["volumes"]
+        }
+        assert "serve-app-batches" not in claims
+    batch_api = serve_config["applications"][0]["args"]["batch_api"]
+    assert "node:__internal_head__" in batch_api["coordinator_resources"]
+    assert batch_api["coordinator_num_cpus"] == 0  # The head advertises num-cpus 0.
 
 
 def test_image_and_ray_versions_agree(

@@ -70,7 +70,10 @@ def test_build_app_wires_one_preprocessor_and_engine_per_model() -> None:
 
     app = build_app(TWO)
     router = app._bound_deployment
-    backends, _ = router.init_args
+    backends, coordinator, _ = router.init_args
+    # The batch coordinator calls the same deployments as the router.
+    assert coordinator._bound_deployment.name == "BatchCoordinator"
+    assert coordinator._bound_deployment.init_args[0] is backends
     names = {
         model: (pair["preprocessor"]._bound_deployment.name, pair["engine"]._bound_deployment.name)
         for model, pair in backends.items()
