@@ -20,6 +20,11 @@ from serve_app.models import UnknownModelError, resolve_model
 from serve_app.preprocess.deployment import PreprocessorDeployment
 from serve_app.preprocess.preprocessor import derive_max_model_len
 
+# Large buffers (upload parts, request bodies Serve's proxy hands over in batches) are mapped
+# and unmapped, not kept in the heap: glibc otherwise raises its mmap threshold after the first
+# large free, and a router's memory stays grown after every upload.
+BUFFER_ENV = {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_": "262144"}
+
 
 def _with_env(options: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
     # OTEL_* settings of the process that builds the app reach every replica.
@@ -137,8 +142,10 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
             name=f"Engine{suffix}", **engine_options(single)
         ).bind(plain)
         backends[single.model.public_name] = {"preprocessor": preprocessor, "engine": engine}
-    coordinator = BatchCoordinator.options(  # type: ignore[attr-defined]
-        **_with_env(config.batch_api.coordinator_options(), {})
-    ).bind(backends, config.as_args())
-    router = Router.options(**_with_env(config.router.deployment_options(), {}))  # type: ignore[attr-defined]
+    coordinator = None
+    if config.batch_api.enabled:
+        coordinator = BatchCoordinator.options(  # type: ignore[attr-defined]
+            **_with_env(config.batch_api.coordinator_options(), BUFFER_ENV)
+        ).bind(backends, config.as_args())
+    router = Router.options(**_with_env(config.router.deployment_options(), BUFFER_ENV))  # type: ignore[attr-defined]
     return router.bind(backends, coordinator, config.as_args())

@@ -24,6 +24,7 @@ from serve_app.batch_api.service import BatchService
 from serve_app.batch_api.store import BatchStore
 from serve_app.config import AppConfig
 from serve_app.ingress.backends import ModelBackends
+from serve_app.observability import tracing
 
 
 @serve.deployment(name="BatchCoordinator", num_replicas=1)
@@ -33,6 +34,7 @@ class BatchCoordinator:
     ) -> None:
         """``backends``: per served model name, its ``preprocessor`` and ``engine`` handles."""
         self.config = AppConfig.model_validate(config)
+        tracing.configure(self.config.tracing.exporter)
         self.backends = ModelBackends.build(
             self.config, backends, serve.get_replica_context().app_name
         )
@@ -47,6 +49,10 @@ class BatchCoordinator:
             self.api.start()
         except RuntimeError:
             pass
+
+    def finished_spans(self) -> list[dict[str, Any]]:
+        """Spans kept by the in-memory exporter (tests)."""
+        return tracing.finished_spans()
 
     async def check_health(self) -> None:
         self.api.start()  # Where the constructor had no loop.

@@ -4,16 +4,26 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from typing import Any
 
 from pydantic import ValidationError
 
 from serve_app.config import AppConfig
 from serve_app.errors import ErrorInfo, backend_error
+from serve_app.observability import tracing
 from serve_app.openai import chat, completions
 from serve_app.openai.limits import check_limits
 from serve_app.openai.protocol import ChatCompletionRequest, CompletionRequest
 from serve_app.openai.serving import RequestStats, ServingFor
+
+# (batch id, custom_id) of the line the current task runs, set by the batch's runner: its trace.
+CURRENT_LINE: ContextVar[tuple[str, str] | None] = ContextVar("batch_line", default=None)
+
+
+def line_trace_key(batch_id: str, custom_id: str) -> str:
+    """What a line's trace id is derived from: one trace per line, whichever process runs it."""
+    return f"batch-line\0{batch_id}\0{custom_id}"
 
 
 async def run_line(
@@ -29,6 +39,33 @@ async def run_line(
     """The line's status code and body: a response, or an OpenAI error (never raised)."""
     stats = RequestStats(route=endpoint, model=str(body.get("model")))
     stats.tenant = owner
+    span = None
+    if tracing.enabled() and (line := CURRENT_LINE.get()) is not None:
+        span = tracing.tracer().start_span(
+            f"batch line {endpoint}",
+            context=tracing.keyed_context(line_trace_key(*line)),
+            attributes={"serve_app.batch_id": line[0], "serve_app.custom_id": line[1]},
+        )
+        stats.trace_context = tracing.inject(span)
+    status = 499  # Until it returns: cut short (cancelled, expired, its process stopping).
+    try:
+        status, result = await _run(serving_for, config, endpoint, body, stats, priority, refresh)
+        return status, result
+    finally:
+        if span is not None:
+            span.set_attributes(tracing.request_attributes(stats, status))
+            span.end()
+
+
+async def _run(
+    serving_for: ServingFor,
+    config: AppConfig,
+    endpoint: str,
+    body: dict[str, Any],
+    stats: RequestStats,
+    priority: int,
+    refresh: Callable[[], Awaitable[None]] | None,
+) -> tuple[int, dict[str, Any]]:
     try:
         work: Any
         if refresh is not None:

@@ -144,7 +144,11 @@ def connect(coordinator: DeploymentHandle) -> None:
 
 def client() -> _Local | _Remote:
     if _client is None:
-        raise APIError("The Batch API is not enabled.", status=503, type="server_error")
+        raise APIError(
+            "The Batch API is turned off on this server (batch_api.enabled: false).",
+            status=404,
+            code="not_found",
+        )
     return _client
 
 

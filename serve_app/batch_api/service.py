@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from serve_app.batch_api.input import parse_input
-from serve_app.batch_api.lines import run_line
+from serve_app.batch_api.lines import CURRENT_LINE, run_line
 from serve_app.batch_api.store import BatchStore, LeaseLost, new_id
 from serve_app.config import AppConfig
 from serve_app.errors import APIError, ErrorInfo
@@ -208,6 +208,7 @@ class BatchService:
         shown = dict(counts)
 
         async def one(line: dict[str, Any]) -> None:
+            CURRENT_LINE.set((batch_id, line["custom_id"]))  # This task's own context: its trace.
             async with semaphore:
                 status, body = await self._call(endpoint, line["body"], owner)
             record = {

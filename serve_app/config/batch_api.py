@@ -11,6 +11,11 @@ from serve_app.config.base import StrictModel
 
 
 class BatchApiConfig(StrictModel):
+    enabled: bool = Field(
+        True,
+        description="Serve /v1/files and /v1/batches through the batch coordinator deployment. "
+        "false: no coordinator process, and those routes answer 404 saying so.",
+    )
     max_file_bytes: int = Field(
         200 * 1024 * 1024,
         ge=1024,

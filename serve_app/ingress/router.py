@@ -74,11 +74,12 @@ class Router:
     def __init__(
         self,
         backends: dict[str, dict[str, DeploymentHandle]],
-        batch_coordinator: DeploymentHandle,
+        batch_coordinator: DeploymentHandle | None,
         config: dict[str, Any],
     ) -> None:
         """``backends``: per served model name, its ``preprocessor`` and ``engine`` handles;
-        ``batch_coordinator``: where /v1/files and /v1/batches are forwarded."""
+        ``batch_coordinator``: where /v1/files and /v1/batches are forwarded (None: the
+        Batch API is turned off)."""
         self.config = AppConfig.model_validate(config)
         app_name = serve.get_replica_context().app_name
         configure(
@@ -94,7 +95,8 @@ class Router:
             app_name,
             on_resubmit=lambda model: self.metrics.resubmissions.inc(1, {"model": model}),
         )
-        batch_routes.connect(batch_coordinator)
+        if batch_coordinator is not None:
+            batch_routes.connect(batch_coordinator)
         lora_admin.attach(self.backends, self.config.security)
 
     async def _with_timeout(self, work: Any) -> Any:

@@ -80,6 +80,8 @@ def app_args() -> dict[str, Any]:
             },
             "preprocessor": {"resources": {"head_node": 0.01}},
             "router": {"resources": {"head_node": 0.01}},
+            # As serve_config.yaml pins it: where the head's volume holds the batch store.
+            "batch_api": {"coordinator_resources": {"node:__internal_head__": 0.001}},
             "request_timeout_s": REQUEST_TIMEOUT_S,
         },
     )
@@ -265,6 +267,7 @@ def test_replicas_land_on_the_nodes_their_resources_name(multinode: MultiNode) -
     assert multinode.replica_nodes("Engine") == [worker]
     assert multinode.replica_nodes("Router") == [head]
     assert multinode.replica_nodes("Preprocessor") == [head]
+    assert multinode.replica_nodes("BatchCoordinator") == [head]
     assert deployment_status("Engine") == ("HEALTHY", {"RUNNING": 1})
 
 

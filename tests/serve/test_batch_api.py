@@ -396,8 +396,8 @@ def test_wired_into_the_serve_app(base_url: str, client: OpenAI) -> None:
 def test_a_100_mb_upload_streams_past_the_2_mib_body_limit(base_url: str, client: OpenAI) -> None:
     """The Serve app keeps security.max_body_bytes (2 MiB) for every other route; an upload
     streams to disk under batch_api.max_file_bytes, and downloads stream back. The router's
-    own memory (USS) is printed, not asserted: Serve's proxy forwards a request body without
-    flow control, so how much of it reaches the router at once is Serve's doing."""
+    and the coordinator's own memory (USS) stays flat: Serve's proxy hands the router the body
+    in large batches, but their buffers are unmapped once freed (app.BUFFER_ENV)."""
     import psutil
 
     from tests.serve.conftest import APP
@@ -406,15 +406,20 @@ def test_a_100_mb_upload_streams_past_the_2_mib_body_limit(base_url: str, client
     row = json.dumps(chat_line("row", "Summarize: " + "lorem ipsum " * 80)) + "\n"
     content = row.encode() * (100 * 1024 * 1024 // len(row))
     routers = [psutil.Process(pid) for pid in _replica_pids(APP, "Router")]
+    coordinators = [psutil.Process(pid) for pid in _replica_pids(APP, "BatchCoordinator")]
 
-    def own() -> int:
-        return sum(p.memory_full_info().uss for p in routers)
+    def own(processes: list[psutil.Process]) -> int:
+        return sum(p.memory_full_info().uss for p in processes)
 
-    before = own()
+    before = own(routers), own(coordinators)
     upload = client.files.create(file=("big.jsonl", content), purpose="batch")
-    grown = own() - before
+    grown = own(routers) - before[0], own(coordinators) - before[1]
     assert upload.bytes == len(content) > 100_000_000
-    print(f"\n{len(content) / 1e6:.0f} MB uploaded; router USS grew {grown / 1e6:.1f} MB")
+    print(
+        f"\n{len(content) / 1e6:.0f} MB uploaded; USS grew {grown[0] / 1e6:.1f} MB (router), "
+        f"{grown[1] / 1e6:.1f} MB (coordinator)"
+    )
+    assert max(grown) < 25e6, grown  # 30-55 MB in the router before BUFFER_ENV.
     with httpx.stream("GET", f"{base_url}/v1/files/{upload.id}/content", timeout=120) as got:
         assert got.status_code == 200
         assert sum(len(chunk) for chunk in got.iter_bytes()) == len(content)

@@ -5,7 +5,8 @@ coordinator, a short lease (3 s) so the batch of a killed coordinator moves on q
 openai client talks to Serve's proxy, which spreads its calls over both routers; the
 coordinator's process is SIGKILLed mid-batch (as a node loss would end it) and its replacement
 finishes the 500 lines: each custom_id once, and the lines the dead one had recorded not run
-again.
+again, counted at the engine: each line's engine requests are spans of one trace, whose id
+is derived from the batch id and custom_id, whichever process ran it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def fleet(base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
         "router": {"num_cpus": 0.05, "num_replicas": 2},
         "preprocessor": {"num_cpus": 0.05},
         "batch_api": {"lease_s": 3, "dir": str(store_dir)},
+        "tracing": {"exporter": "memory"},  # Engine spans count each line's engine requests.
     }
     try:
         yield _deploy(base_url, APP, overrides), store_dir
@@ -74,7 +76,7 @@ def test_a_killed_coordinator_loses_and_repeats_no_line(fleet: tuple[str, Path])
     )
     store = BatchStore(store_dir)
     deadline = time.monotonic() + 180
-    while (counts := _retrieve(client, batch.id).request_counts) is None or counts.completed < 8:
+    while (counts := _retrieve(client, batch.id).request_counts) is None or counts.completed < 48:
         assert time.monotonic() < deadline, "no line finished"
         time.sleep(0.2)
     runner = store.leases.holder(batch.id)
@@ -83,7 +85,7 @@ def test_a_killed_coordinator_loses_and_repeats_no_line(fleet: tuple[str, Path])
     os.kill(pid, signal.SIGKILL)
     # What the killed process had recorded: those lines must come out as recorded, not rerun.
     recorded = {r["custom_id"]: r["id"] for r in store.read_partial(batch.id, "output")}
-    assert 8 <= len(recorded) < LINES, "finished before the kill: nothing to take over"
+    assert 48 <= len(recorded) < LINES, "finished before the kill: nothing to take over"
 
     deadline = time.monotonic() + 300
     while (done := _retrieve(client, batch.id)).status not in ("completed", "failed"):
@@ -99,4 +101,37 @@ def test_a_killed_coordinator_loses_and_repeats_no_line(fleet: tuple[str, Path])
     assert all(outputs[custom_id]["id"] == id_ for custom_id, id_ in recorded.items())
     assert all(line["response"]["status_code"] == 200 for line in outputs.values())
     assert done.error_file_id is None or not client.files.content(done.error_file_id).text
-    print(f"\nkilled {runner} after {len(recorded)} of {LINES} lines; its replacement finished")
+    runs = _engine_runs(batch.id, [line["custom_id"] for line in lines])
+    assert min(runs.values()) >= 1, "a line that never reached the engine"
+    assert all(runs[custom_id] == 1 for custom_id in recorded), "a recorded line ran again"
+    # Run twice: only lines that had not been recorded at the kill, those in flight (a batch
+    # keeps 32) and the few whose record was being written.
+    assert sum(runs.values()) - LINES <= 2 * MAX_IN_FLIGHT, runs
+    print(
+        f"\nkilled {runner} after {len(recorded)} of {LINES} lines; its replacement finished; "
+        f"{sum(runs.values()) - LINES} lines in flight at the kill ran again"
+    )
+
+
+MAX_IN_FLIGHT = 32  # BatchService.max_in_flight
+
+
+def _engine_runs(batch_id: str, custom_ids: list[str]) -> dict[str, int]:
+    """Engine requests per line, from the engine replica's spans (the line's trace id)."""
+    from opentelemetry import trace
+    from ray import serve
+
+    from serve_app.batch_api.lines import line_trace_key
+    from serve_app.observability.tracing import keyed_context
+
+    def trace_id(custom_id: str) -> str:
+        context = keyed_context(line_trace_key(batch_id, custom_id))
+        return f"{trace.get_current_span(context).get_span_context().trace_id:032x}"
+
+    engine = serve.get_deployment_handle("Engine", app_name=APP)
+    spans = engine.finished_spans.remote().result(timeout_s=60)
+    per_trace: dict[str, int] = {}
+    for span in spans:
+        if span["name"] == "engine.generate":
+            per_trace[span["trace_id"]] = per_trace.get(span["trace_id"], 0) + 1
+    return {custom_id: per_trace.get(trace_id(custom_id), 0) for custom_id in custom_ids}

@@ -27,6 +27,7 @@ DRAIN: dict[str, Any] = {
     },
     "router": SURVIVE["router"] | {"graceful_shutdown_timeout_s": 300},
     "preprocessor": SURVIVE["preprocessor"] | {"graceful_shutdown_timeout_s": 300},
+    "batch_api": SURVIVE["batch_api"],
     "request_timeout_s": 300,
     "engine_wait_timeout_s": 30,
 }

@@ -51,6 +51,7 @@ def qwen_client(base_url: str) -> Iterator[OpenAI]:
                 },
             ],
             "router": {"num_cpus": 0.05},
+            "batch_api": {"enabled": False},  # Not under test here: one process less.
         }
     )
     try:

@@ -73,6 +73,7 @@ def _deploy(engine_replicas: int | None = None) -> None:
     lora = {
         "model": {"lora_adapters": ADAPTER_DIRS},
         "engine": {"vllm_args": {"max_loras": 1, "max_lora_rank": 8}},
+        "batch_api": {"enabled": False},  # Not under test here: one process less on 2 cores.
     }
     app: dict[str, Any] = {
         "name": APP,

@@ -41,6 +41,7 @@ SURVIVE: dict[str, Any] = {
     "preprocessor": {"num_cpus": 0.05},
     "request_timeout_s": 15,
     "engine_wait_timeout_s": 4,
+    "batch_api": {"enabled": False},  # Not under test here: one process less on 2 cores.
 }
 
 
@@ -305,6 +306,7 @@ def test_autoscales_on_engine_queue(base_url: str) -> None:
         },
         "router": {"num_cpus": 0.05},
         "preprocessor": {"num_cpus": 0.05},
+        "batch_api": SURVIVE["batch_api"],
     }
     url = _deploy(base_url, "autoscale", overrides)
     try:

@@ -151,3 +151,36 @@ async def test_batches_run_for_their_owner_and_others_get_404(tmp_path: Path) ->
     assert {line["response"]["body"]["owner"] for line in lines} == {"alice"}
     assert api.service._keeper is not None
     api.service._keeper.cancel()
+
+
+def test_a_lines_trace_id_is_the_same_in_every_process_that_runs_it() -> None:
+    from opentelemetry import trace
+
+    from serve_app.batch_api.lines import line_trace_key
+    from serve_app.observability.tracing import keyed_context
+
+    def trace_id(batch_id: str, custom_id: str) -> int:
+        context = keyed_context(line_trace_key(batch_id, custom_id))
+        return int(trace.get_current_span(context).get_span_context().trace_id)
+
+    assert trace_id("batch-1", "a") == trace_id("batch-1", "a") != 0
+    assert len({trace_id("batch-1", "a"), trace_id("batch-1", "b"), trace_id("batch-2", "a")}) == 3
+
+
+def test_with_the_batch_api_off_there_is_no_coordinator_and_its_routes_are_404() -> None:
+    from serve_app import build_app
+    from serve_app.batch_api import routes
+
+    args: dict[str, Any] = {"model": {"name": "tiny-qwen2"}}
+    coordinator = build_app(args)._bound_deployment.init_args[1]
+    assert coordinator._bound_deployment.name == "BatchCoordinator"
+    off = build_app(args | {"batch_api": {"enabled": False}})
+    assert off._bound_deployment.init_args[1] is None
+    before, routes._client = routes._client, None
+    try:
+        with pytest.raises(APIError) as off_error:
+            routes.client()
+        assert off_error.value.info.status == 404
+        assert "batch_api.enabled" in off_error.value.info.message
+    finally:
+        routes._client = before
