@@ -19,6 +19,7 @@ from serve_app.errors import APIError
 class BatchInput:
     lines: list[dict[str, Any]] = field(default_factory=list)  # The request lines that run.
     rejected: list[dict[str, Any]] = field(default_factory=list)  # line, custom_id, code, message
+    numbers: dict[str, int] = field(default_factory=dict)  # custom_id -> its line in the file
 
     @property
     def total(self) -> int:
@@ -35,6 +36,7 @@ def parse_input(content: bytes, endpoint: str) -> BatchInput:
         if problem is None and custom_id is not None:
             seen.add(custom_id)
             parsed.lines.append(line)
+            parsed.numbers[custom_id] = number
         elif problem is not None:
             code, message = problem
             parsed.rejected.append(

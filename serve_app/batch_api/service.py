@@ -142,7 +142,9 @@ class BatchService:
                 await self._advance(batch_id, "validating", "in_progress")
             # Batches from before windows were kept have none: OpenAI's 24 h.
             expires_at = batch.get("expires_at") or batch["created_at"] + 24 * 3600
-            work = self._process(batch_id, batch["endpoint"], parsed.lines, parsed.total)
+            work = self._process(
+                batch_id, batch["endpoint"], parsed.lines, parsed.total, parsed.numbers
+            )
             try:
                 await asyncio.wait_for(work, max(0.0, expires_at - time.time()))
             except TimeoutError:  # Lines in flight are cancelled (their engine requests too).
@@ -194,8 +196,14 @@ class BatchService:
             raise asyncio.CancelledError
 
     async def _process(
-        self, batch_id: str, endpoint: str, lines: list[dict[str, Any]], total: int
+        self,
+        batch_id: str,
+        endpoint: str,
+        lines: list[dict[str, Any]],
+        total: int,
+        numbers: dict[str, int] | None = None,
     ) -> None:
+        """Run the lines not yet settled; ``numbers``: each custom_id's line in the input."""
         store, io = self.store, asyncio.to_thread
         done = await io(store.settled, batch_id)
         counts = await io(store.counts, batch_id, total)
@@ -217,6 +225,13 @@ class BatchService:
                 "response": {"status_code": status, "request_id": body.get("id"), "body": body},
                 "error": None,
             }
+            if status != 200:  # Also where in the input it was, as for lines that never ran.
+                error = body.get("error") or {}
+                record["error"] = {
+                    "code": error.get("code") or error.get("type"),
+                    "message": error.get("message"),
+                    "line": (numbers or {}).get(line["custom_id"]),
+                }
             kind = "output" if status == 200 else "error"
             write = asyncio.ensure_future(io(store.append_partial, batch_id, kind, record))
             writes.add(write)

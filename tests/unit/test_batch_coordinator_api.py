@@ -25,7 +25,11 @@ def _api(root: Path, **batch_api: Any) -> BatchApi:
     service = BatchService(lambda model: None, config, BatchStore(root))  # type: ignore[arg-type,return-value]
 
     async def call(endpoint: str, body: dict[str, Any], owner: str = "") -> tuple[int, dict]:
-        return 200, {"id": f"chatcmpl-{body['messages'][0]['content']}", "owner": owner}
+        content = body["messages"][0]["content"]
+        if content == "over":  # As check_limits answers a line past the key's limits.
+            error = {"message": "max_tokens too large", "type": "invalid_request_error"}
+            return 400, {"error": error | {"param": "max_tokens", "code": "limit_exceeded"}}
+        return 200, {"id": f"chatcmpl-{content}", "owner": owner}
 
     service._call = call  # type: ignore[method-assign]
     return BatchApi(service)
@@ -184,3 +188,37 @@ def test_with_the_batch_api_off_there_is_no_coordinator_and_its_routes_are_404()
         assert "batch_api.enabled" in off_error.value.info.message
     finally:
         routes._client = before
+
+
+async def test_a_line_the_api_rejects_is_an_error_line_with_its_line_number(
+    tmp_path: Path,
+) -> None:
+    import asyncio
+
+    api = _api(tmp_path)
+    api.start()
+    over = json.dumps(
+        {
+            "custom_id": "c-over",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": "over"}]},
+        }
+    ).encode()
+    content = _lines(3) + b"{broken\n" + over + b"\n"
+    file = await _upload(api, content, "")
+    body = {"input_file_id": file["id"], "endpoint": "/v1/chat/completions"}
+    batch = await api.create_batch(body, "")
+    for _ in range(200):
+        done = await api.get_batch(batch["id"], "")
+        if done["status"] == "completed":
+            break
+        await asyncio.sleep(0.05)
+    assert done["request_counts"] == {"total": 5, "completed": 3, "failed": 2}, done
+    errors = [
+        json.loads(x) for x in (await _download(api, done["error_file_id"], "")).split(b"\n") if x
+    ]
+    found = {(e["custom_id"], e["error"]["line"], e["error"]["code"]) for e in errors}
+    assert found == {(None, 4, "invalid_jsonl"), ("c-over", 5, "limit_exceeded")}
+    assert api.service._keeper is not None
+    api.service._keeper.cancel()
