@@ -96,6 +96,7 @@ lint: install
 
 bench: models
 	$(PY) -m loadtest.bench $(BENCH_ARGS)
+	$(PY) -m loadtest.cpu_cost
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

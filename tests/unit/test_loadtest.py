@@ -258,3 +258,24 @@ def test_lora_cost_phases_name_their_models() -> None:
     assert {b["model"] for b in bodies("adapter", "base", 4, 8, 0)} == {ADAPTERS[0]}
     prompts = [b["messages"][0]["content"] for b in bodies("base", "base", 50, 8, 100)]
     assert len(set(prompts)) == 50 and all(b["ignore_eos"] for b in mixed)
+
+
+def test_cpu_cost_counts_every_process_but_the_models_as_frontend() -> None:
+    from loadtest.cpu_cost import MODEL_PROCESSES, table
+
+    results = {
+        "ours": {
+            "requests_ok": 10,
+            "output_tokens": 1000,
+            "cpu_s": {MODEL_PROCESSES: 5.0, "Router replica": 0.3, "Serve proxy": 0.1},
+        },
+        "vllm": {
+            "requests_ok": 10,
+            "output_tokens": 1000,
+            "cpu_s": {MODEL_PROCESSES: 5.0, "vllm serve API server": 0.1},
+        },
+    }
+    text = table(results)
+    assert results["ours"]["frontend_us_per_token"] == pytest.approx(400)
+    assert results["vllm"]["frontend_us_per_token"] == pytest.approx(100)
+    assert "ours / vllm serve: 4.00x" in text

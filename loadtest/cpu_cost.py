@@ -1,0 +1,175 @@
+"""CPU per output token outside the model: each of our processes next to `vllm serve`'s API server.
+
+The cost that transfers to any hardware: on a GPU box the model is fast and the frontend's CPU
+per token sets the ceiling. For each target, started alone on the pinned engine settings, a
+fixed load (``--requests`` streamed chats of ``--max-tokens`` tokens at ``--concurrency``) runs
+after a warm-up, and the CPU time (user + system, from ``psutil``) every process of the target
+spent during it is divided by the output tokens. Processes are grouped by role: for ours
+Serve's proxy, our Router, Preprocessor and Engine replica actors (the Engine replica hosts
+vLLM's AsyncLLM frontend), Serve's controller and Ray's own daemons; for ``vllm`` its API
+server (AsyncLLM frontend plus HTTP). vLLM's engine core and model workers (descendants of the
+process hosting AsyncLLM) are the model and are reported apart, not counted as frontend.
+
+    python -m loadtest.cpu_cost [--targets ours,vllm] [--requests 192] [--concurrency 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from loadtest import workloads
+from loadtest.bench import engine_settings
+from loadtest.bench import parse_args as bench_args
+from loadtest.client import RequestRecord, make_http, stream_chat
+from loadtest.shapes import run_shape
+from loadtest.targets import MODEL, Server, make_server
+
+MODEL_PROCESSES = "vLLM engine core + workers (the model)"
+
+
+def role(process: psutil.Process) -> str:
+    """What a process of a target does, from its title (Ray and vLLM set them)."""
+    try:
+        title = " ".join(process.cmdline()) or process.name()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return "gone"
+    for needle, name in (
+        ("ServeReplica", "replica"),
+        ("ProxyActor", "Serve proxy"),
+        ("ServeController", "Serve controller"),
+        ("gcs_server", "Ray GCS"),
+        ("raylet", "Ray raylet"),
+        ("DashboardAgent", "Ray dashboard agent"),
+        ("dashboard/agent", "Ray dashboard agent"),
+        ("ray-dashboard-", "Ray dashboard"),
+        ("dashboard.py", "Ray dashboard"),
+        ("RuntimeEnvAgent", "Ray runtime-env agent"),
+        ("log_monitor", "Ray log monitor"),
+        ("vllm.entrypoints", "vllm serve API server"),
+        ("serve_app.launch", "our launcher (driver)"),
+    ):
+        if needle in title:
+            if name == "replica":  # ray::ServeReplica:<app>:<Deployment>
+                return title.split("ServeReplica:", 1)[1].split()[0].split(":")[-1] + " replica"
+            return name
+    return "other: " + process.name()
+
+
+def processes(root: int) -> dict[int, tuple[str, psutil.Process]]:
+    """Every live process of the target's tree, by pid, with its role; vLLM's engine core and
+    model workers (descendants of the process hosting AsyncLLM) as the model."""
+    try:
+        tree = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return {}
+    found = {p.pid: (role(p), p) for p in tree}
+    hosts = [p for r, p in found.values() if r in ("Engine replica", "vllm serve API server")]
+    for host in hosts:
+        for child in host.children(recursive=True):
+            found[child.pid] = (MODEL_PROCESSES, child)
+    return found
+
+
+def cpu_seconds(process: psutil.Process) -> float:
+    try:
+        times = process.cpu_times()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return 0.0
+    return float(times.user + times.system)
+
+
+async def load(url: str, bodies: list[dict[str, Any]], concurrency: int) -> list[RequestRecord]:
+    async with make_http(concurrency + 8) as http:
+
+        async def send(body: dict[str, Any]) -> RequestRecord:
+            return await stream_chat(http, url, body)
+
+        records, _ = await run_shape(send, bodies, "closed", concurrency, time_limit_s=900)
+    return records
+
+
+def measure(server: Server, ns: argparse.Namespace) -> dict[str, Any]:
+    """CPU seconds per role over the fixed load, and the output tokens it produced."""
+    bodies = workloads.build("random", MODEL, ns.requests, ns.max_tokens, ns.seed)
+    asyncio.run(load(server.base_url, workloads.build("random", MODEL, 16, 16, 1), 8))  # Warm.
+    assert server.proc is not None
+    before = {pid: cpu_seconds(p) for pid, (_, p) in processes(server.proc.pid).items()}
+    records = asyncio.run(load(server.base_url, bodies, ns.concurrency))
+    after = processes(server.proc.pid)
+    per_role: dict[str, float] = {}
+    for pid, (name, process) in after.items():
+        spent = cpu_seconds(process) - before.get(pid, 0.0)
+        per_role[name] = per_role.get(name, 0.0) + max(0.0, spent)
+    tokens = sum(r.output_tokens for r in records if r.ok)
+    return {
+        "requests_ok": sum(r.ok for r in records),
+        "output_tokens": tokens,
+        "cpu_s": per_role,
+    }
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    lines = [f"{'target':<7}{'process (role)':<42}{'CPU s':>8}{'µs/token':>10}{'ms/request':>11}"]
+    for target, result in results.items():
+        tokens, requests = result["output_tokens"], result["requests_ok"]
+        frontend = 0.0
+        for name, seconds in sorted(result["cpu_s"].items(), key=lambda kv: -kv[1]):
+            if name != MODEL_PROCESSES:
+                frontend += seconds
+            lines.append(
+                f"{target:<7}{name:<42}{seconds:>8.1f}{seconds / tokens * 1e6:>10.0f}"
+                f"{seconds / requests * 1e3:>11.1f}"
+            )
+        result["frontend_us_per_token"] = frontend / tokens * 1e6
+        lines.append(
+            f"{target:<7}{'= frontend (all but the model)':<42}{frontend:>8.1f}"
+            f"{result['frontend_us_per_token']:>10.0f}{frontend / requests * 1e3:>11.1f}"
+        )
+    if {"ours", "vllm"} <= results.keys():
+        ratio = results["ours"]["frontend_us_per_token"] / results["vllm"]["frontend_us_per_token"]
+        lines.append(f"\nfrontend CPU per output token, ours / vllm serve: {ratio:.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", default="ours,vllm")
+    parser.add_argument("--requests", type=int, default=192)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--port", type=int, default=8290)
+    parser.add_argument("--out", default="results/cpu_cost")
+    ns = parser.parse_args(argv)
+    app = engine_settings(bench_args([]))  # The engine settings `make bench` pins.
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, Any]] = {}
+    for i, target in enumerate(t.strip() for t in ns.targets.split(",") if t.strip()):
+        server = make_server(target, app, ns.port + i, out)
+        try:
+            started = time.perf_counter()
+            server.start()
+            print(f"[{target}] ready in {time.perf_counter() - started:.0f} s", flush=True)
+            results[target] = measure(server, ns)
+        finally:
+            server.stop()
+    print(
+        f"\n{ns.requests} streamed chats x {ns.max_tokens} tokens at c={ns.concurrency}, "
+        f"{MODEL}; CPU time per process role while the load ran:\n"
+    )
+    print(table(results))
+    (out / "cpu_cost.json").write_text(json.dumps(results, indent=2))
+    print(f"wrote {out / 'cpu_cost.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
