@@ -23,7 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from loadtest import report, suite
+from loadtest import repeats, report, suite
 from loadtest.client import RequestRecord, make_http, stream_chat
 from loadtest.stats import SLO, summarize
 from loadtest.targets import MODEL, TARGETS, app_args, make_server, resolved_config
@@ -63,6 +63,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="Whole run; shrinks the load budget of later targets (default suite: 14.5).",
     )
     p.add_argument("--out", default=None, help="Default: results/bench-<UTC timestamp>.")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="Run every target N times (order alternating) and report per-phase medians.",
+    )
     # The engine settings every target gets.
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
@@ -181,16 +187,51 @@ def print_summary(results: dict[str, Any]) -> None:
         print(f"  {key:<58}{_fmt(value, 1, 2):>8}")
 
 
+def run_once(
+    ns: argparse.Namespace,
+    targets: list[str],
+    phases: list[suite.Phase],
+    app: dict[str, Any],
+    meta: dict[str, Any],
+    out: Path,
+) -> dict[str, Any]:
+    """Every target once, one after the other, within the suite's time box."""
+    slo = SLO(ns.slo_ttft, ns.slo_tpot)
+    results: dict[str, Any] = {"meta": meta | {"targets": targets}, "targets": {}}
+    deadline = time.perf_counter() + 60 * (ns.max_minutes or MAX_MINUTES.get(ns.suite, 1e6))
+    for i, name in enumerate(targets):
+        t0 = time.perf_counter()
+        # Leave each remaining target its start/stop time (~75 s on 2 cores) and a fair share.
+        share = (deadline - t0) / (len(targets) - i) - STARTUP_ALLOWANCE_S
+        budget = max(10.0, min(ns.load_budget_s, share))
+        result = run_target(
+            name,
+            app,
+            phases,
+            ns.port + i,
+            out,
+            argparse.Namespace(**{**vars(ns), "budget_s": budget}),
+        )
+        result["load_budget_s"] = budget
+        for p in result.get("phases", []):
+            if p.get("records") or not p.get("skipped"):
+                records = [RequestRecord.from_dict(r) for r in p.get("records", [])]
+                p["summary"] = summarize(records, p.get("wall_s", 0.0), slo)
+        result["total_s"] = time.perf_counter() - t0
+        results["targets"][name] = result
+        report.write(results, out)  # partial results survive a later crash
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     ns.rates = ns.rates or suite.DEFAULT_RATES.get(ns.suite, [2.0])
-    ns.budget_s = ns.budget_s or suite.DEFAULT_BUDGET_S.get(ns.suite, 120.0)
+    ns.load_budget_s = ns.budget_s or suite.DEFAULT_BUDGET_S.get(ns.suite, 120.0)
     started = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     out = Path(ns.out or f"results/bench-{started}")
     out.mkdir(parents=True, exist_ok=True)
     phases = SUITES[ns.suite](ns.concurrency, ns.rates)
     app = engine_settings(ns)
-    slo = SLO(ns.slo_ttft, ns.slo_tpot)
     targets = [t.strip() for t in ns.targets.split(",") if t.strip()]
     for name in targets:
         if name not in TARGETS:
@@ -200,33 +241,27 @@ def main(argv: list[str] | None = None) -> int:
         "suite": ns.suite,
         "model": MODEL,
         "seed": ns.seed,
-        "slo": asdict(slo),
-        "targets": targets,
+        "slo": asdict(SLO(ns.slo_ttft, ns.slo_tpot)),
         "phases": [asdict(p) for p in phases],
         "argv": sys.argv,
     }
-    results: dict[str, Any] = {"meta": meta, "targets": {}}
-    print(f"Results in {out}; {len(phases)} phases per target, ≤ {ns.budget_s:.0f} s load each.")
-    deadline = time.perf_counter() + 60 * (ns.max_minutes or MAX_MINUTES.get(ns.suite, 1e6))
-    budget = ns.budget_s
-    for i, name in enumerate(targets):
-        t0 = time.perf_counter()
-        # Leave each remaining target its start/stop time (~75 s on 2 cores) and a fair share.
-        share = (deadline - t0) / (len(targets) - i) - STARTUP_ALLOWANCE_S
-        ns.budget_s = max(10.0, min(budget, share))
-        result = run_target(name, app, phases, ns.port + i, out, ns)
-        result["load_budget_s"] = ns.budget_s
-        for p in result.get("phases", []):
-            if p.get("records") or not p.get("skipped"):
-                records = [RequestRecord.from_dict(r) for r in p.get("records", [])]
-                p["summary"] = summarize(records, p.get("wall_s", 0.0), slo)
-        result["total_s"] = time.perf_counter() - t0
-        results["targets"][name] = result
-        report.write(results, out)  # partial results survive a later crash
-    files = report.write(results, out)
-    print_summary(results)
-    print("\n" + "\n".join(f"wrote {path}" for path in files.values()))
-    return 0 if all(t["status"] == "ok" for t in results["targets"].values()) else 1
+    print(
+        f"Results in {out}; {len(phases)} phases per target, ≤ {ns.load_budget_s:.0f} s load each."
+    )
+    runs, files = [], {}
+    for repeat in range(ns.repeats):
+        # Alternate the order, so no target always runs first on a cold machine.
+        order = targets if repeat % 2 == 0 else targets[::-1]
+        run_dir = out if ns.repeats == 1 else out / f"run-{repeat + 1}"
+        results = run_once(ns, order, phases, app, meta | {"repeat": repeat + 1}, run_dir)
+        files = report.write(results, run_dir)
+        runs.append(results)
+        print_summary(results)
+    print("\n" + repeats.table(runs))
+    summary = out / "repeats.json"
+    summary.write_text(json.dumps(repeats.combined(runs), indent=1))
+    print("\n" + "\n".join(f"wrote {path}" for path in [*files.values(), summary]))
+    return 0 if all(t["status"] == "ok" for run in runs for t in run["targets"].values()) else 1
 
 
 if __name__ == "__main__":

@@ -26,16 +26,29 @@ from serve_app.preprocess.preprocessor import derive_max_model_len
 BUFFER_ENV = {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_": "262144"}
 
 
-def _with_env(options: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+# Ray Serve's throughput mode, read by each replica process at start (AppConfig
+# serve_throughput_mode). Direct ingress would need the proxy and controller in the mode too;
+# replica logs stay on the console; gRPC messages are bounded by our own limits (request
+# bodies, upload parts), not by gRPC's 4 MiB default.
+THROUGHPUT_ENV = {
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+    "RAY_SERVE_LOG_TO_STDERR": "1",
+    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**31 - 1),
+}
+
+
+def _with_env(options: dict[str, Any], env: dict[str, str], config: AppConfig) -> dict[str, Any]:
     # OTEL_* settings of the process that builds the app reach every replica.
     otel = {key: value for key, value in os.environ.items() if key.startswith("OTEL_")}
-    options["ray_actor_options"]["runtime_env"] = {"env_vars": otel | env}
+    serve = THROUGHPUT_ENV if config.serve_throughput_mode else {}
+    options["ray_actor_options"]["runtime_env"] = {"env_vars": otel | serve | env}
     return options
 
 
 def engine_options(config: AppConfig) -> dict[str, Any]:
     engine = config.engine
-    options = _with_env(engine.deployment_options(), engine.runtime_env_vars())
+    options = _with_env(engine.deployment_options(), engine.runtime_env_vars(), config)
     placement = engine.placement()
     if placement is not None:
         bundles, strategy = placement
@@ -136,7 +149,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         plain = single.as_args()
         preprocessor = PreprocessorDeployment.options(  # type: ignore[attr-defined]
             name=f"Preprocessor{suffix}",
-            **_with_env(single.preprocessor.deployment_options(), {}),
+            **_with_env(single.preprocessor.deployment_options(), {}, single),
         ).bind(plain)
         engine = EngineDeployment.options(  # type: ignore[attr-defined]
             name=f"Engine{suffix}", **engine_options(single)
@@ -145,7 +158,8 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     coordinator = None
     if config.batch_api.enabled:
         coordinator = BatchCoordinator.options(  # type: ignore[attr-defined]
-            **_with_env(config.batch_api.coordinator_options(), BUFFER_ENV)
+            **_with_env(config.batch_api.coordinator_options(), BUFFER_ENV, config)
         ).bind(backends, config.as_args())
-    router = Router.options(**_with_env(config.router.deployment_options(), BUFFER_ENV))  # type: ignore[attr-defined]
+    router_options = _with_env(config.router.deployment_options(), BUFFER_ENV, config)
+    router = Router.options(**router_options)  # type: ignore[attr-defined]
     return router.bind(backends, coordinator, config.as_args())

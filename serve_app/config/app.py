@@ -110,6 +110,15 @@ class AppConfig(StrictModel):
         default_factory=SecurityConfig,
         description="API keys, per-key rate limits, body/header size and request shape limits.",
     )
+    serve_throughput_mode: bool = Field(
+        True,
+        description="Ray Serve's throughput mode (RAY_SERVE_THROUGHPUT_OPTIMIZED) in every "
+        "replica of the app: calls between deployments go over gRPC instead of Ray tasks and "
+        "objects, and user code and handle routing share each replica's event loop instead of "
+        "hopping threads (about a third less CPU per streamed token in the router and engine "
+        "replicas; `loadtest.cpu_cost`). Direct ingress stays off: it needs Serve's proxy and "
+        "controller started in the mode. false: Serve's defaults.",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -13,7 +13,12 @@ from serve_app.config import AppConfig
 from serve_app.errors import BACKEND_UNAVAILABLE, APIError, model_not_found
 from serve_app.hops import EngineRequest, LoraAdapter, PreprocessRequest, PreprocessResult
 from serve_app.ingress.adapters import GcsStore, RuntimeAdapters
-from serve_app.ingress.handles import RESUBMIT_ASSIGN_S, bounded_stream, resubmitted_once
+from serve_app.ingress.handles import (
+    RESUBMIT_ASSIGN_S,
+    bounded_stream,
+    hop_handle,
+    resubmitted_once,
+)
 from serve_app.ingress.readiness import Readiness, engine_running
 from serve_app.openai.serving import OpenAIServing
 
@@ -34,6 +39,8 @@ class ModelBackend:
         """``config``: this model's single-model config; ``on_resubmit(model)`` counts an
         engine call resubmitted because its replica went away before the first token."""
         self.config = config
+        preprocessor = hop_handle(preprocessor, config.serve_throughput_mode)
+        engine = hop_handle(engine, config.serve_throughput_mode)
         self.preprocessor = preprocessor
         self.engine = engine  # Unary calls (a runtime adapter's load check).
         self._engine = engine.options(stream=True)

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
 
 from serve_app.errors import APIError, cancelled_by_callee, cancelled_here, replica_lost
 
@@ -21,6 +22,18 @@ logger = logging.getLogger("serve_app.ingress")
 # Before a resubmission: Serve's handle drops a dead replica when the failed call settles.
 RESUBMIT_BACKOFF_S = 0.5
 RESUBMIT_ASSIGN_S = 5.0  # A resubmission waits this long at most for a live replica.
+
+
+def hop_handle(handle: DeploymentHandle, throughput_mode: bool) -> DeploymentHandle:
+    """``handle`` for calls on the request path. In Serve's throughput mode
+    (``serve_throughput_mode``) over its gRPC transport with plain pickle: the hop messages are
+    small dataclasses, and a Ray object per streamed item costs more CPU than the item. The
+    option has to be set here: a handle carries the transport chosen where the app was built."""
+    if not throughput_mode:
+        return handle
+    return handle.options(
+        _by_reference=False, request_serialization="pickle", response_serialization="pickle"
+    )
 
 
 def timeout_error(timeout_s: float) -> APIError:

@@ -279,3 +279,30 @@ def test_cpu_cost_counts_every_process_but_the_models_as_frontend() -> None:
     assert results["ours"]["frontend_us_per_token"] == pytest.approx(400)
     assert results["vllm"]["frontend_us_per_token"] == pytest.approx(100)
     assert "ours / vllm serve: 4.00x" in text
+
+
+def test_repeats_report_medians_per_phase_and_mark_the_slower_ones() -> None:
+    from loadtest import repeats
+
+    def run(ours: dict[str, float], vllm: dict[str, float], startup: float) -> dict[str, Any]:
+        def phases(values: dict[str, float]) -> list[dict[str, Any]]:
+            return [{"name": n, "summary": {"output_tok_per_s": v}} for n, v in values.items()]
+
+        return {
+            "targets": {
+                "ours": {"phases": phases(ours), "startup_s": startup},
+                "vllm": {"phases": phases(vllm), "startup_s": 20.0},
+            }
+        }
+
+    runs = [
+        run({"c=1": 10.0, "c=8": 50.0}, {"c=1": 10.0, "c=8": 40.0}, 30.0),
+        run({"c=1": 9.0, "c=8": 5.0}, {"c=1": 10.0, "c=8": 40.0}, 34.0),  # One bad run at c=8.
+        run({"c=1": 9.5, "c=8": 48.0}, {"c=1": 10.0, "c=8": 40.0}, 32.0),
+    ]
+    ratios = repeats.phase_ratios(runs)["vllm serve"]
+    assert ratios == {"c=1": pytest.approx(0.95), "c=8": pytest.approx(1.2)}
+    assert repeats.startup_s(runs) == {"ours": 32.0, "vllm": 20.0}
+    text = repeats.table(runs)
+    assert "c=1" in text and "0.95x  ◀ below" in text
+    assert "1.20x" in text and "1.20x  ◀" not in text

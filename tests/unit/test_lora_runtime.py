@@ -47,6 +47,7 @@ def _router(store: MemoryStore, engine: FakeEngine, **model: Any) -> ModelBacken
         {"model": {"name": "tiny-qwen2", "max_runtime_adapters": 2} | model}
     )
     preprocessor = SimpleNamespace(deployment_name="Preprocessor")
+    preprocessor.options = lambda **_: preprocessor
     backend = ModelBackend(config, preprocessor, engine, app_name="app", on_resubmit=print)  # type: ignore[arg-type]
     return ModelBackends([backend], RuntimeAdapters(store, "app", config.served_names))
 
