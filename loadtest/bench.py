@@ -253,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         # Alternate the order, so no target always runs first on a cold machine.
         order = targets if repeat % 2 == 0 else targets[::-1]
         run_dir = out if ns.repeats == 1 else out / f"run-{repeat + 1}"
+        run_dir.mkdir(parents=True, exist_ok=True)
         results = run_once(ns, order, phases, app, meta | {"repeat": repeat + 1}, run_dir)
         files = report.write(results, run_dir)
         runs.append(results)

@@ -92,7 +92,9 @@ def split(client: dict[str, int], spans: list[dict[str, Any]]) -> dict[str, floa
         router_first,
         client["first"],
     ]
-    return {name: (b - a) / 1e6 for name, a, b in zip(SEGMENTS, stamps, stamps[1:], strict=True)}
+    return {
+        name: (b - a) / 1e6 for name, a, b in zip(SEGMENTS, stamps[:-1], stamps[1:], strict=True)
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
