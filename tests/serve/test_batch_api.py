@@ -140,6 +140,28 @@ def _local_service() -> Any:
     return local.api.service
 
 
+def _on_loop(service: Any, work: Any) -> Any:
+    """Run ``work()`` on the server's loop (where the services and the engine run)."""
+    assert service._keeper is not None
+
+    async def run() -> Any:
+        return work()
+
+    loop = service._keeper.get_loop()
+    return asyncio.run_coroutine_threadsafe(run(), loop).result(timeout=30)
+
+
+def _stop(service: Any) -> None:
+    """The replica dies: its keeper and batch tasks gone, its leases never renewed again."""
+
+    def die() -> None:
+        service._keeper.cancel()
+        for task in service._tasks.values():
+            task.cancel()
+
+    _on_loop(service, die)
+
+
 def test_batch_end_to_end(bclient: OpenAI) -> None:
     lines = [chat_line(f"q-{i}", f"Say the number {i}.") for i in range(8)]
     lines.append(chat_line("bad-model", "hi", model="nope"))
@@ -329,6 +351,8 @@ def test_resume_after_restart(bclient: OpenAI, batch_server: tuple[str, Path]) -
     with store.partial_path("batch-resume", "output").open("a") as handle:
         handle.write('{"torn line')  # the crash happened mid-write
     old = _local_service()
+    bclient.batches.list()  # The old replica is up (a service starts on its first call) ...
+    _stop(old)  # ... and gone: a restart leaves no second live replica on the store.
     batch_api.attach(old.serving_for, old.config, root)  # a restarted router replica
     done = wait_done(bclient, "batch-resume")
     assert done.status == "completed"
@@ -346,16 +370,12 @@ def test_another_replica_finishes_the_batch_of_one_that_died(
     from serve_app.batch_api.service import BatchService
 
     _, root = batch_server
+    bclient.batches.list()  # Starts the attached service, if no call has yet.
     dying = _local_service()
-    assert dying._keeper is not None
-    loop = dying._keeper.get_loop()  # The server's loop, where the engine runs.
     survivor = BatchService(dying.serving_for, dying.config, BatchStore(root))
 
     def on_loop(work: Any) -> Any:
-        async def run() -> Any:
-            return work()
-
-        return asyncio.run_coroutine_threadsafe(run(), loop).result(timeout=30)
+        return _on_loop(dying, work)
 
     on_loop(survivor.ensure_resumed)
     # Lengths spread out, so lines finish one after another rather than all at once.
@@ -373,13 +393,7 @@ def test_another_replica_finishes_the_batch_of_one_that_died(
         assert time.monotonic() < deadline, "no line finished"
         time.sleep(0.2)
 
-    def die() -> None:
-        assert dying._keeper is not None
-        dying._keeper.cancel()
-        for task in dying._tasks.values():
-            task.cancel()
-
-    on_loop(die)
+    _stop(dying)
     assert counts.completed < len(lines), "finished before the replica died: nothing to take"
     try:
         done = wait_done(bclient, batch.id)
