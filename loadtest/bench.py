@@ -105,8 +105,15 @@ async def _http_phases(url: str, phases: list[suite.Phase], seed: int, budget: f
 
 
 def run_target(
-    name: str, app: dict[str, Any], phases: list[suite.Phase], port: int, out: Path, ns: Any
+    name: str,
+    app: dict[str, Any],
+    phases: list[suite.Phase],
+    port: int,
+    out: Path,
+    seed: int,
+    budget_s: float,
 ) -> dict[str, Any]:
+    """One target: start it, run every phase within ``budget_s`` seconds of load, stop it."""
     result: dict[str, Any] = {"status": "not run", "phases": []}
     if name == "asyncllm":
         job, res = out / "asyncllm-job.json", out / "asyncllm-out.json"
@@ -116,8 +123,8 @@ def run_target(
                     "app_args": app,
                     "phases": [asdict(p) for p in phases],
                     "model": MODEL,
-                    "seed": ns.seed,
-                    "budget_s": ns.budget_s,
+                    "seed": seed,
+                    "budget_s": budget_s,
                 }
             )
         )
@@ -133,7 +140,7 @@ def run_target(
                 start_new_session=True,
             )
         try:
-            code = proc.wait(timeout=ns.budget_s * 3 + 900)
+            code = proc.wait(timeout=budget_s * 3 + 900)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # our own session only
             code = proc.wait()
@@ -149,7 +156,7 @@ def run_target(
     try:
         result["startup_s"] = server.start()
         print(f"[{name}] ready at {server.base_url} in {result['startup_s']:.0f} s", flush=True)
-        result["phases"] = asyncio.run(_http_phases(server.base_url, phases, ns.seed, ns.budget_s))
+        result["phases"] = asyncio.run(_http_phases(server.base_url, phases, seed, budget_s))
         result["status"] = "ok"
     except Exception as exc:  # one broken target never loses the others' results
         result["status"] = f"failed: {exc!r}"[:500]
@@ -204,14 +211,7 @@ def run_once(
         # Leave each remaining target its start/stop time (~75 s on 2 cores) and a fair share.
         share = (deadline - t0) / (len(targets) - i) - STARTUP_ALLOWANCE_S
         budget = max(10.0, min(ns.load_budget_s, share))
-        result = run_target(
-            name,
-            app,
-            phases,
-            ns.port + i,
-            out,
-            argparse.Namespace(**{**vars(ns), "budget_s": budget}),
-        )
+        result = run_target(name, app, phases, ns.port + i, out, ns.seed, budget)
         result["load_budget_s"] = budget
         for p in result.get("phases", []):
             if p.get("records") or not p.get("skipped"):

@@ -4,7 +4,7 @@ One app for the module: two router replicas forwarding /v1/files and /v1/batches
 coordinator, a short lease (3 s) so the batch of a killed coordinator moves on quickly. The
 openai client talks to Serve's proxy, which spreads its calls over both routers; the
 coordinator's process is SIGKILLed mid-batch (as a node loss would end it) and its replacement
-finishes the 500 lines: each custom_id once, and the lines the dead one had recorded not run
+finishes the 200 lines: each custom_id once, and the lines the dead one had recorded not run
 again, counted at the engine: each line's engine requests are spans of one trace, whose id
 is derived from the batch id and custom_id, whichever process ran it.
 """
@@ -27,7 +27,7 @@ from tests.serve.test_batch_api import by_custom_id, chat_line, jsonl
 from tests.serve.test_scale_survive import _deploy, _replica_pids
 
 APP = "batchfleet"
-LINES = 500
+LINES = 200
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import httpx
 from tests.serve.conftest import MODEL
 from tests.serve.test_scale_survive import SURVIVE, _deploy
 
-MAX_TOKENS = 200
+MAX_TOKENS = 100
 STREAMS = 16
 # SURVIVE's replicas, but room for every stream at once (its 4 + 4 slots would shed 8 of 16),
 # a request timeout longer than the drain, and drains that cover it (as serve_config.yaml does).

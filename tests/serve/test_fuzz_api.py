@@ -30,7 +30,7 @@ from schemathesis.specs.openapi.checks import (
 
 from tests.serve.conftest import MODEL
 
-EXAMPLES = {GenerationMode.POSITIVE: 250, GenerationMode.NEGATIVE: 150}
+EXAMPLES = {GenerationMode.POSITIVE: 150, GenerationMode.NEGATIVE: 90}
 _SEED_ENV = os.environ.get("SERVE_APP_FUZZ_SEED", "")
 SEED = secrets.randbits(32) if _SEED_ENV == "random" else int(_SEED_ENV or 11)
 CHECKS = [
