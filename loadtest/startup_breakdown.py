@@ -31,7 +31,6 @@ VLLM_MARKERS = [
 ]
 SERVE_UP = "Started Serve in namespace"
 REPLICA_UP = "Started initializing replica"
-SPAWNED = "We must use the `spawn` multiprocessing start method"
 # vLLM: "INFO 12-07 03:32:54 [model.py:733] ..."; Ray/Serve: "INFO 2026-12-07 03:56:20,086 ...".
 VLLM_STAMP = re.compile(r"(?:INFO|WARNING|DEBUG|ERROR) (\d\d-\d\d \d\d:\d\d:\d\d)")
 RAY_STAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})")
@@ -82,7 +81,6 @@ def phases(name: str, log: Path, started: float, ready: float) -> dict[str, Any]
     for phase, at in marks:
         out["phases"][phase] = None if at is None else round(at - previous, 1)
         previous = at if at is not None else previous
-    out["children_spawned"] = any(SPAWNED in line for line in lines)
     return out
 
 
@@ -113,8 +111,6 @@ def table(runs: dict[str, list[dict[str, Any]]]) -> str:
         rows.append(f"{phase:<38}" + "".join(cells))
     totals = {n: statistics.median(r["total_s"] for r in runs[n]) for n in names}
     rows.append(f"{'start to first answer':<38}" + "".join(f"{totals[n]:>10.1f}" for n in names))
-    spawned = [f"{n}: {'spawn' if runs[n][0]['children_spawned'] else 'fork'}" for n in names]
-    rows.append("vLLM child processes started by " + ", ".join(spawned))
     if len(names) == 2:
         rows.append(f"{names[0]}/{names[1]}: {totals[names[0]] / totals[names[1]]:.2f}x")
     return "\n".join(rows)

@@ -16,7 +16,7 @@ from serve_app.config.model import check_adapter
 from serve_app.engine.deployment import EngineDeployment
 from serve_app.engine.routing.options import request_router_config
 from serve_app.ingress.router import Router
-from serve_app.models import UnknownModelError, resolve_model
+from serve_app.models import UnknownModelError, checkpoint_config, resolve_model
 from serve_app.preprocess.deployment import PreprocessorDeployment
 from serve_app.preprocess.preprocessor import derive_max_model_len
 
@@ -76,11 +76,7 @@ def check_model(config: AppConfig) -> None:
     for name, source in config.model.lora_adapters.items():
         check_adapter(name, source)
     if Path(path).is_dir():
-        from transformers import AutoConfig
-
-        hf_config = AutoConfig.from_pretrained(
-            path, trust_remote_code=config.model.trust_remote_code
-        )
+        hf_config = checkpoint_config(path, config.model.trust_remote_code)
         derive_max_model_len(config, hf_config)
 
 

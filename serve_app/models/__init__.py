@@ -8,11 +8,12 @@ Heavy libraries are imported only when a model is actually built.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
 from . import smollm2, tiny_qwen2
@@ -24,6 +25,7 @@ __all__ = [
     "ModelSourceMissingError",
     "UnknownModelError",
     "cache_dir",
+    "checkpoint_config",
     "is_embedded",
     "is_prepared",
     "model_path",
@@ -118,6 +120,22 @@ def resolve_model(name: str) -> str:
     if _HUB_ID.match(name) and not name.startswith("."):
         return name
     raise UnknownModelError(_unknown_message(name))
+
+
+def checkpoint_config(path: str, trust_remote_code: bool = False) -> Any:
+    """A local checkpoint's ``config.json`` as attributes (what ``AutoConfig`` would give for
+    the fields read here). Read as plain JSON: importing transformers for it costs ~5 s of a
+    start on a small machine. ``AutoConfig`` only where the file has no context length, so
+    its class default applies as before."""
+    try:
+        data = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        data = None
+    if isinstance(data, dict) and "max_position_embeddings" in data:
+        return SimpleNamespace(**data)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def _unknown_message(name: str) -> str:

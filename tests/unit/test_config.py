@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -115,6 +118,20 @@ def test_build_app_names_the_fix_for_a_too_long_context() -> None:
         )
     with pytest.raises(ValueError, match=r"model.name: .*smollm2-135m-instruct"):
         check_model(AppConfig.model_validate({"model": {"name": "no-such-alias"}}))
+
+
+def test_checkpoint_config_reads_json_and_falls_back_to_autoconfig(tmp_path: Path) -> None:
+    """The build-time check reads config.json itself (no transformers import in the driver);
+    a config without a context length gets AutoConfig's class default, as before."""
+    from serve_app.models import checkpoint_config
+
+    plain, bare = tmp_path / "plain", tmp_path / "bare"
+    for folder, extra in ((plain, {"max_position_embeddings": 1024}), (bare, {})):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": "llama"} | extra))
+    assert checkpoint_config(str(plain)).max_position_embeddings == 1024
+    assert type(checkpoint_config(str(plain))).__name__ == "SimpleNamespace"
+    assert checkpoint_config(str(bare)).max_position_embeddings == 2048  # LlamaConfig's default
 
 
 @pytest.mark.parametrize(

@@ -316,8 +316,6 @@ def test_startup_breakdown_splits_the_start_at_the_logs_markers(tmp_path: Path) 
     log = tmp_path / "vllm.log"
     log.write_text(
         "(APIServer pid=1) INFO 12-07 03:00:10 [model.py:733] Resolved architecture: X\n"
-        "(APIServer pid=1) WARNING 12-07 03:00:10 [x.py:1] We must use the `spawn` "
-        "multiprocessing start method.\n"
         "(EngineCore pid=2) INFO 12-07 03:00:18 [core.py:1] Initializing a V1 LLM engine\n"
         "(Worker pid=3) INFO 12-07 03:00:27 [r.py:1] Starting to load model /m...\n"
         "(EngineCore pid=2) INFO 12-07 03:00:33 [core.py:2] init engine (profile, create kv "
@@ -326,7 +324,7 @@ def test_startup_breakdown_splits_the_start_at_the_logs_markers(tmp_path: Path) 
     started = datetime(2026, 12, 7, 3, 0, 2).timestamp()
     result = sb.phases("vllm", log, started, started + 35.5)
     assert list(result["phases"].values()) == [8.0, 8.0, 9.0, 6.0, 4.5]
-    assert result["total_s"] == 35.5 and result["children_spawned"]
+    assert result["total_s"] == 35.5
     assert sb.stamp("INFO 2026-12-07 03:00:20,250 serve 9 -- Started Serve", 2026) == (
         datetime(2026, 12, 7, 3, 0, 20).timestamp() + 0.25
     )
