@@ -157,16 +157,18 @@ class VLLMEngine:
     def __init__(self, config: AppConfig, model_path: str, offline: bool = False) -> None:
         """``offline``: an offline batch job's engine, whose unset limits get the defaults of
         vLLM's offline ``LLM`` (e.g. a larger prefill budget per step) instead of its server's."""
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.usage.usage_lib import UsageContext
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         args = engine_args(config, model_path)
         logger.info("Starting vLLM AsyncLLM with %s", args)
         self.resolved_args = args
         bind = config.engine.cpu_threads_bind if config.engine.resolved_device() == "cpu" else ""
         heartbeat = StepHeartbeat()
         with cpu_pinning.engine_isolation(bind, config.engine.world_size):
+            # Imported here: on a CPU box whose Ray is confined to one core, vLLM's import
+            # (the longest step of a start) then also runs on the model's still idle cores.
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.usage.usage_lib import UsageContext
+            from vllm.v1.engine.async_llm import AsyncLLM
+
             self._llm = AsyncLLM.from_engine_args(
                 vllm_engine_args(args, AsyncEngineArgs),
                 stat_loggers=[*_ray_stat_loggers(), heartbeat.stat_logger_factory()],
