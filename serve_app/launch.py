@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import signal
 import sys
@@ -19,7 +18,11 @@ from typing import Any
 import httpx
 import yaml
 
+from serve_app.config.cores import core_list
 from serve_app.engine import cpu_pinning
+
+# The cores init_local_ray confines its Ray cluster to once the apps answer (None: no split).
+_ray_cores: list[int] | None = None
 
 
 def load_serve_config(path: str | Path) -> dict[str, Any]:
@@ -30,19 +33,35 @@ def load_serve_config(path: str | Path) -> dict[str, Any]:
 
 
 def wait_ready(base_url: str, timeout_s: float = 600) -> dict[str, Any]:
-    """Poll /v1/models until the whole graph (router → preprocessor) answers."""
+    """Poll /v1/models until the whole graph (router → preprocessor) answers; then confine
+    the Ray cluster this process started (if its engines split the cores) to its cores."""
     deadline = time.monotonic() + timeout_s
     last_error = "no answer yet"
     while time.monotonic() < deadline:
         try:
             response = httpx.get(f"{base_url}/v1/models", timeout=10)
             if response.status_code == 200:
+                if _ray_cores:
+                    _confine_when_running(_ray_cores, deadline)
                 return dict(response.json())
             last_error = f"HTTP {response.status_code}: {response.text[:200]}"
         except httpx.HTTPError as exc:
             last_error = str(exc)
         time.sleep(1)
     raise TimeoutError(f"{base_url} not ready after {timeout_s:.0f} s: {last_error}")
+
+
+def _confine_when_running(cores: list[int], deadline: float) -> None:
+    """Confine Ray to ``cores`` once every app's replicas are up: an engine replica still
+    starting runs vLLM's import and processes on every core until then."""
+    from ray import serve
+
+    while time.monotonic() < deadline:
+        statuses = [app.status for app in serve.status().applications.values()]
+        if all(status in ("RUNNING", "DEPLOY_FAILED", "UNHEALTHY") for status in statuses):
+            break
+        time.sleep(1)
+    cpu_pinning.confine_ray(cores)
 
 
 def start(
@@ -89,8 +108,11 @@ def init_local_ray(apps: list[dict[str, Any]], *, dashboard: bool = True) -> Non
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
     from serve_app.config import AppConfig
 
-    cores = cpu_pinning.ray_cores([AppConfig.model_validate(args).engine for args in apps])
-    with cpu_pinning.inherited_affinity(cores) if cores else contextlib.nullcontext():
+    global _ray_cores
+    _ray_cores = cpu_pinning.ray_cores([AppConfig.model_validate(args).engine for args in apps])
+    if _ray_cores:  # Ray starts on every core; wait_ready confines it once the apps answer.
+        os.environ[cpu_pinning.RAY_CORES_ENV] = core_list(_ray_cores)
+    try:
         # address="local": always a new local cluster, never one some other process started.
         ray.init(
             address="local",
@@ -98,6 +120,8 @@ def init_local_ray(apps: list[dict[str, Any]], *, dashboard: bool = True) -> Non
             dashboard_host="127.0.0.1",
             log_to_driver=False,
         )
+    finally:  # Ray's processes have it; engines run in this process itself are not split.
+        os.environ.pop(cpu_pinning.RAY_CORES_ENV, None)
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

@@ -3,10 +3,12 @@
 vLLM on CPU runs the model in one worker process whose OpenMP threads are bound to cores;
 everything else (Ray's GCS and raylet, Serve's proxy and controller, our three replicas, vLLM's
 scheduler process) otherwise competes for those same cores, and every time slice it takes
-stalls a whole engine step. On a single machine ``serve_app.launch`` starts Ray confined to
-the last core (the one vLLM reserves for its scheduler anyway); each engine replica then binds
-its model worker to the cores Ray is not on (``engine_isolation``). Measured on 2 cores:
-+12-15 % output tokens/s at c=32. Offline Ray Data jobs do not split: their CPU engines run
+stalls a whole engine step. On a single machine ``serve_app.launch`` confines Ray to the last
+core (the one vLLM reserves for its scheduler anyway); each engine replica binds its model
+worker to the cores Ray is not on (``engine_isolation``). Measured on 2 cores: +12-15 % output
+tokens/s at c=32. Ray starts on every core, so its services and the replicas' imports run in
+parallel, and is confined once the apps answer (``confine_ray``): the replicas read the split
+from ``RAY_CORES_ENV`` meanwhile. Offline Ray Data jobs do not split: their CPU engines run
 in-process (``serve_app/offline/inproc_engine.py``) with the model on every core; with vLLM's
 separate processes, putting the Ray Data driver and actor on the scheduler's core measured 16 %
 slower.
@@ -30,6 +32,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("serve_app.cpu_pinning")
 # vLLM names its model worker processes so (setproctitle); they keep their OpenMP binding.
 WORKER_TITLE = "VLLM::Worker"
+# The cores the launcher confines Ray to, in the environment Ray's processes inherit.
+RAY_CORES_ENV = "SERVE_APP_RAY_CORES"
 
 
 def split_cores(allowed: set[int] | list[int]) -> tuple[list[int], list[int]] | None:
@@ -84,7 +88,19 @@ def pin_tree(root_pid: int, cores: list[int]) -> int:
             moved += 1
         except psutil.Error:
             continue
-    logger.info("Pinned %d engine processes to cores %s", moved, cores)
+    logger.info("Pinned %d processes to cores %s", moved, cores)
+    return moved
+
+
+def confine_ray(cores: list[int]) -> int:
+    """Pin Ray's processes started by this one (GCS, raylet, dashboard and every worker and
+    replica under them) to ``cores``, model workers aside; workers started later inherit it
+    from the raylet. This process stays as it is. Returns how many processes moved."""
+    moved = 0
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            if "ray" in " ".join(child.cmdline()):
+                moved += pin_tree(child.pid, cores)
     return moved
 
 
@@ -107,7 +123,8 @@ def engine_isolation(threads_bind: str, ranks: int = 1) -> Iterator[None]:
     this replica and vLLM's scheduler process back. Otherwise vLLM binds as configured, except
     that several ranks (tensor/pipeline parallel) get an explicit split: vLLM's own 'auto'
     wants a NUMA node per rank, which most single-socket machines do not have."""
-    confined = sorted(os.sched_getaffinity(0))
+    from_launcher = os.environ.get(RAY_CORES_ENV)
+    confined = parse_core_list(from_launcher) if from_launcher else sorted(os.sched_getaffinity(0))
     if threads_bind != "auto":
         yield
         return

@@ -74,3 +74,51 @@ def test_in_process_model_uses_every_allowed_core_unless_bound() -> None:
     assert cpu_pinning.in_process_cores("auto") == (allowed, False)
     assert cpu_pinning.in_process_cores("nobind") == (allowed, False)
     assert cpu_pinning.in_process_cores("0-1") == ([0, 1], True)
+
+
+def test_confine_ray_pins_rays_processes_and_leaves_the_rest() -> None:
+    import subprocess
+    import sys
+    import time
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: nothing to split")
+    before = os.sched_getaffinity(0)
+    target = [max(before)]
+    sleep = "import time; time.sleep(60)"
+    ray_like = subprocess.Popen([sys.executable, "-c", sleep, "ray-ish"])
+    other = subprocess.Popen([sys.executable, "-c", sleep, "not-it"])
+    try:
+        time.sleep(0.5)
+        assert cpu_pinning.confine_ray(target) == 1
+        assert os.sched_getaffinity(ray_like.pid) == set(target)
+        assert os.sched_getaffinity(other.pid) == before
+        assert os.sched_getaffinity(0) == before  # The launcher itself stays.
+    finally:
+        for proc in (ray_like, other):
+            proc.kill()
+            proc.wait()
+
+
+def test_engine_isolation_reads_the_launchers_split_before_ray_is_confined() -> None:
+    """A replica started while Ray still runs on every core: the model gets the cores the
+    launcher keeps off Ray, and the replica ends on Ray's."""
+    import subprocess
+    import sys
+
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("one core: nothing to split")
+    script = (
+        "import os\n"
+        "from serve_app.engine import cpu_pinning\n"
+        "with cpu_pinning.engine_isolation('auto'):\n"
+        "    print(os.environ['VLLM_CPU_OMP_THREADS_BIND'])\n"
+        "print(sorted(os.sched_getaffinity(0)))\n"
+    )
+    env = os.environ | {cpu_pinning.RAY_CORES_ENV: str(allowed[-1])}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    ).stdout.split("\n")
+    assert out[0] == cores.core_list(allowed[:-1])
+    assert out[1] == str([allowed[-1]])
