@@ -62,17 +62,6 @@ def in_process_cores(threads_bind: str) -> tuple[list[int], bool]:
     return parse_core_list(threads_bind), True
 
 
-@contextlib.contextmanager
-def inherited_affinity(cores: list[int]) -> Iterator[None]:
-    """Processes started inside the block inherit ``cores``; this process gets its own back."""
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cores)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
 def pin_tree(root_pid: int, cores: list[int]) -> int:
     """Pin every thread of ``root_pid`` and its descendants to ``cores``, except vLLM's model
     workers (bound by OpenMP to their own cores). Returns how many processes moved."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 
@@ -16,18 +15,6 @@ def test_split_keeps_the_last_core_for_ray() -> None:
     assert cpu_pinning.split_cores([3, 1, 2, 0]) == ([0, 1, 2], [3])
     assert cpu_pinning.split_cores({5}) is None
     assert cores.core_list([0, 1, 2]) == "0,1,2"
-
-
-def test_children_inherit_the_confined_cores_and_this_thread_gets_its_own_back() -> None:
-    before = os.sched_getaffinity(0)
-    target = [min(before)]
-    seen: list[set[int]] = []
-    with cpu_pinning.inherited_affinity(target):
-        thread = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
-        thread.start()
-        thread.join()
-    assert seen == [set(target)]
-    assert os.sched_getaffinity(0) == before
 
 
 def test_engine_isolation_leaves_an_unconfined_process_alone() -> None:
