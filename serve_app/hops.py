@@ -122,6 +122,9 @@ class EngineRequest:
     tenant: str = ""
     # The adapter to run the prompt with; None: the base model.
     lora: LoraAdapter | None = None
+    # The caller's output channel id (``engine.channels``): stream through it if this replica
+    # has it open. None: this call's own stream carries the steps.
+    channel: str | None = None
 
     @property
     def prompt(self) -> str:
@@ -165,3 +168,28 @@ class EngineStep:
     finished: bool = False
     # On the last step: vLLM's (queued, scheduled, first token, last token) monotonic stamps.
     timings: tuple[float, float, float, float] | None = None
+
+
+@dataclass(frozen=True)
+class OnChannel:
+    """Engine → router, first item of a streamed call: its steps come through the caller's
+    channel on ``replica``; this call's own stream ends when the request does."""
+
+    replica: str
+
+
+@dataclass(frozen=True)
+class ChannelOffer:
+    """Engine → router, first item of a streamed call that named a channel this replica does
+    not have open: the steps follow on this call; open a channel to ``replica`` for the next."""
+
+    replica: str
+
+
+@dataclass(frozen=True)
+class ChannelOpen:
+    """Router → engine: open the caller's output channel on ``target_replica`` (the engine
+    request router sends the call there and nowhere else)."""
+
+    caller: str
+    target_replica: str

@@ -90,6 +90,13 @@ class EngineConfig(ReplicaConfig):
         "is hung: its engine core is killed, its requests get 503 engine_unavailable and Serve "
         "replaces the replica. Must exceed the slowest single engine step; null turns it off.",
     )
+    output_channels: bool = Field(
+        True,
+        description="Streamed steps reach each router through one long-lived call per engine "
+        "replica, one message per engine step for all of that router's streams there, instead "
+        "of one message per token per stream (less CPU per token on both sides). Needs a "
+        "routing policy of ours (prefix_aware or session); with the others it is off.",
+    )
     inject_faults: bool = Field(
         False,
         description="Tests only: a request whose session key (routing.session_header) is "

@@ -95,6 +95,10 @@ class RoutingConfig(StrictModel):
     def _lower_header(cls, value: str | None) -> str | None:
         return value.lower() if value else value
 
+    def ours(self) -> bool:
+        """Whether callers route with our request router (it can send a call to one replica)."""
+        return self.policy in ("prefix_aware", "session")
+
     def hashes_needed(self) -> bool:
         """Whether the preprocessor computes block hashes (only prefix_aware reads them)."""
         return self.policy == "prefix_aware"

@@ -10,9 +10,17 @@ from ray import serve
 
 from serve_app.config import AppConfig
 from serve_app.config.autoscaling import QUEUE_METRIC
+from serve_app.engine.channels import ChannelItem, OutputChannels, through_outbox
 from serve_app.engine.routing.policy import KV_CACHE_TOKENS
 from serve_app.errors import APIError, ErrorInfo
-from serve_app.hops import EngineRequest, EngineStep, LoraAdapter
+from serve_app.hops import (
+    ChannelOffer,
+    ChannelOpen,
+    EngineRequest,
+    EngineStep,
+    LoraAdapter,
+    OnChannel,
+)
 from serve_app.observability import tracing
 
 FAULT_SESSION_KEY = "serve_app:fault"  # With engine.inject_faults (tests only).
@@ -20,7 +28,8 @@ FAULT_SESSION_KEY = "serve_app:fault"  # With engine.inject_faults (tests only).
 
 @serve.deployment(name="Engine")
 class EngineDeployment:
-    """Owns one vLLM AsyncLLM; streams engine steps back through the handle."""
+    """Owns one vLLM AsyncLLM; streams engine steps back through the handle call, or through
+    the caller's output channel when it has one open here (``serve_app.engine.channels``)."""
 
     def __init__(self, config: dict[str, Any]) -> None:
         from serve_app.engine.vllm_engine import VLLMEngine
@@ -29,12 +38,38 @@ class EngineDeployment:
         self.config = AppConfig.model_validate(config)
         tracing.configure(self.config.tracing.exporter)
         self.engine = VLLMEngine(self.config, resolve_model(self.config.model.name))
+        self.channels = OutputChannels()
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineStep | ErrorInfo]:
-        # Errors travel as values: exceptions crossing Ray lose their OpenAI fields.
-        started_ns, first_ns, last = time.time_ns(), 0, None
+    async def generate(
+        self, request: EngineRequest
+    ) -> AsyncIterator[EngineStep | ErrorInfo | OnChannel | ChannelOffer]:
         if self.config.engine.inject_faults and request.session_key == FAULT_SESSION_KEY:
             raise RuntimeError("fault injected (engine.inject_faults)")
+        outbox = self.channels.outbox(request.channel)
+        if outbox is None:
+            if request.channel is not None:
+                yield ChannelOffer(self.replica_id)
+            async for item in self._steps(request):
+                yield item
+            return
+        outbox.begin()  # Before OnChannel: the channel must not idle out in between.
+        try:
+            yield OnChannel(self.replica_id)
+            await through_outbox(outbox, request.request_id, self._steps(request))
+        finally:
+            outbox.end()
+
+    async def open_channel(self, request: ChannelOpen) -> AsyncIterator[list[ChannelItem]]:
+        """The caller's output channel (``engine.channels``): batches of its streams' steps."""
+        if request.target_replica != self.replica_id:
+            return  # Meant for a replica this one replaced: the caller gives that id up.
+        async for batch in self.channels.open(request.caller):
+            yield batch
+
+    async def _steps(self, request: EngineRequest) -> AsyncIterator[EngineStep | ErrorInfo]:
+        # Errors travel as values: exceptions crossing Ray lose their OpenAI fields.
+        started_ns, first_ns, last = time.time_ns(), 0, None
         try:
             async for step in self.engine.generate(request):
                 if not first_ns and any(c.token_ids for c in step.chunks):

@@ -13,6 +13,7 @@ from serve_app.config import AppConfig
 from serve_app.errors import BACKEND_UNAVAILABLE, APIError, model_not_found
 from serve_app.hops import EngineRequest, LoraAdapter, PreprocessRequest, PreprocessResult
 from serve_app.ingress.adapters import GcsStore, RuntimeAdapters
+from serve_app.ingress.channels import EngineChannels
 from serve_app.ingress.handles import (
     RESUBMIT_ASSIGN_S,
     bounded_stream,
@@ -44,6 +45,9 @@ class ModelBackend:
         self.preprocessor = preprocessor
         self.engine = engine  # Unary calls (a runtime adapter's load check).
         self._engine = engine.options(stream=True)
+        # Streamed steps through one call per engine replica (serve_app.engine.channels).
+        channels = config.engine.output_channels and config.engine.routing.ours()
+        self._channels = EngineChannels(self._engine) if channels else None
         engine_name = str(getattr(engine, "deployment_name", "") or "Engine")
         self.readiness = Readiness(
             lambda: engine_running(app_name, engine_name),
@@ -67,9 +71,12 @@ class ModelBackend:
     def _generate(self, request: EngineRequest) -> AsyncIterator[Any]:
         """One engine call, bounded; resubmitted once if its engine goes before a token."""
         wait_s = self.config.engine_wait_timeout_s
+        channels = self._channels if request.stream else None
         return resubmitted_once(
             lambda again: bounded_stream(
-                lambda: self._engine.generate.remote(request),
+                lambda: (
+                    channels.call(request) if channels else self._engine.generate.remote(request)
+                ),
                 assign_timeout_s=min(wait_s, RESUBMIT_ASSIGN_S) if again else wait_s,
                 timeout_s=self.config.request_timeout_s,
             ),

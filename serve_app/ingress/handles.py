@@ -92,7 +92,9 @@ async def bounded_stream(
             if remaining <= 0:
                 raise timeout_error(timeout_s)
             try:
-                item = await asyncio.wait_for(anext(response), remaining)
+                # asyncio.timeout, not wait_for: no task per item (this runs once per token).
+                async with asyncio.timeout(remaining):
+                    item = await anext(response)
             except StopAsyncIteration:
                 done = True
                 return

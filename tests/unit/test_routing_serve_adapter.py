@@ -24,7 +24,7 @@ from serve_app.engine.routing.serve_router import (
     RequestKeys,
     request_keys,
 )
-from serve_app.hops import EngineRequest, LoraAdapter, SamplingSpec
+from serve_app.hops import ChannelOpen, EngineRequest, LoraAdapter, SamplingSpec
 from serve_app.preprocess.block_hashes import block_hashes
 
 DEPLOYMENT = DeploymentID(name="Engine", app_name="llm")
@@ -134,6 +134,18 @@ def test_one_replica_is_chosen_without_a_probe_and_still_indexed(router: Any) ->
     assert run(rr.choose_replicas([only], pr)) == [[only]]
     rr.on_request_routed(pr, only.replica_id, None)
     assert rr.policy.index.owners(hashes(0)[-1]) == {only.replica_id.unique_id}
+
+
+def test_an_output_channel_goes_to_its_named_replica_or_nowhere(router: Any) -> None:
+    rr, replicas = router
+    for replica in replicas:  # Whatever the load, never another replica.
+        rr.replica_queue_len_cache.update(replica.replica_id, 0)
+    rr.replica_queue_len_cache.update(replicas[1].replica_id, 7)
+    opening = pending(ChannelOpen("router-a", replicas[1].replica_id.unique_id))
+    assert run(rr.choose_replicas(rr._replicas_list, opening)) == [[replicas[1]]]
+    gone = pending(ChannelOpen("router-a", "a-replaced-replica"))
+    assert run(rr.choose_replicas(rr._replicas_list, gone)) == []
+    assert run(rr.choose_replicas([replicas[0]], gone)) == []  # Not even the only one.
 
 
 def test_request_keys_read_the_engine_request_or_the_handle_session() -> None:

@@ -59,6 +59,15 @@ def request_keys(pending: PendingRequest | None) -> RequestKeys:
     return RequestKeys(session=handle_session)
 
 
+def target_replica(pending: PendingRequest) -> str | None:
+    """The replica a call must go to (``ChannelOpen``), if it names one."""
+    for arg in pending.args:
+        target = getattr(arg, "target_replica", None)
+        if isinstance(target, str):
+            return target
+    return None
+
+
 # A pick Serve never sent (the request was cancelled first) stops counting after this long.
 PICK_TTL_S = 5.0
 
@@ -124,6 +133,10 @@ class PrefixAwareRequestRouter(RequestRouter):
         if pending_request is not None:
             # Without this Serve retries a round of full replicas in a tight loop.
             pending_request.routing_context.should_backoff = True
+            target = target_replica(pending_request)
+            if target is not None:  # An output channel: that replica or none.
+                named = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+                return [named] if named else []
         if len(candidate_replicas) <= 1:
             # Nothing to choose: no queue probe, no policy work (on_request_routed still
             # records the blocks, for when a second replica joins).
