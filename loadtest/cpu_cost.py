@@ -10,6 +10,10 @@ vLLM's AsyncLLM frontend), Serve's controller and Ray's own daemons; for ``vllm`
 server (AsyncLLM frontend plus HTTP). vLLM's engine core and model workers (descendants of the
 process hosting AsyncLLM) are the model and are reported apart, not counted as frontend.
 
+Each role's CPU rate with no load (``--idle-s`` just before) is reported too, and the cost per
+token above it: Ray's and Serve's daemons poll at a fixed rate, which on this slow model is a
+large share per token and on a GPU box streaming 100x the tokens a small one.
+
     python -m loadtest.cpu_cost [--targets ours,vllm] [--requests 192] [--concurrency 32]
 """
 
@@ -95,47 +99,107 @@ async def load(url: str, bodies: list[dict[str, Any]], concurrency: int) -> list
     return records
 
 
+def cpu_by_role(
+    root: int, before: dict[int, float] | None = None
+) -> tuple[dict[str, float], dict[int, float]]:
+    """CPU seconds per role since ``before`` (per pid; a process new since counts whole), and
+    the per-pid totals now."""
+    now = {pid: (name, cpu_seconds(p)) for pid, (name, p) in processes(root).items()}
+    per_role: dict[str, float] = {}
+    for pid, (name, seconds) in now.items():
+        spent = seconds - (before or {}).get(pid, 0.0)
+        per_role[name] = per_role.get(name, 0.0) + max(0.0, spent)
+    return per_role, {pid: seconds for pid, (_, seconds) in now.items()}
+
+
 def measure(server: Server, ns: argparse.Namespace) -> dict[str, Any]:
-    """CPU seconds per role over the fixed load, and the output tokens it produced."""
+    """CPU seconds per role over the fixed load, the output tokens it produced, and each role's
+    CPU while idle just before (Ray's and Serve's daemons poll whether or not tokens flow)."""
     bodies = workloads.build("random", MODEL, ns.requests, ns.max_tokens, ns.seed)
     asyncio.run(load(server.base_url, workloads.build("random", MODEL, 16, 16, 1), 8))  # Warm.
     assert server.proc is not None
-    before = {pid: cpu_seconds(p) for pid, (_, p) in processes(server.proc.pid).items()}
+    root = server.proc.pid
+    _, before = cpu_by_role(root)
+    time.sleep(ns.idle_s)
+    idle, before = cpu_by_role(root, before)
+    started = time.perf_counter()
     records = asyncio.run(load(server.base_url, bodies, ns.concurrency))
-    after = processes(server.proc.pid)
-    per_role: dict[str, float] = {}
-    for pid, (name, process) in after.items():
-        spent = cpu_seconds(process) - before.get(pid, 0.0)
-        per_role[name] = per_role.get(name, 0.0) + max(0.0, spent)
+    load_s = time.perf_counter() - started
+    per_role, _ = cpu_by_role(root, before)
     tokens = sum(r.output_tokens for r in records if r.ok)
     return {
         "requests_ok": sum(r.ok for r in records),
         "output_tokens": tokens,
         "cpu_s": per_role,
+        "load_s": load_s,
+        "idle_cpu_per_s": {name: seconds / ns.idle_s for name, seconds in idle.items()},
     }
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
-    lines = [f"{'target':<7}{'process (role)':<42}{'CPU s':>8}{'µs/token':>10}{'ms/request':>11}"]
+    """Per role: CPU during the load, per output token and per request; and, where the idle
+    rate was measured, the share above idle (what the tokens cost: the rest is the daemons'
+    polling, which a faster model spreads over more tokens)."""
+    lines = [
+        f"{'target':<10}{'process (role)':<42}{'CPU s':>8}{'µs/token':>10}{'ms/request':>11}"
+        f"{'idle %CPU':>10}{'µs/token above idle':>21}"
+    ]
     for target, result in results.items():
         tokens, requests = result["output_tokens"], result["requests_ok"]
-        frontend = 0.0
+        idle_rates = result.get("idle_cpu_per_s", {})
+        load_s = result.get("load_s", 0.0)
+        frontend = above = 0.0
         for name, seconds in sorted(result["cpu_s"].items(), key=lambda kv: -kv[1]):
+            busy = max(0.0, seconds - idle_rates.get(name, 0.0) * load_s)
             if name != MODEL_PROCESSES:
                 frontend += seconds
+                above += busy
             lines.append(
-                f"{target:<7}{name:<42}{seconds:>8.1f}{seconds / tokens * 1e6:>10.0f}"
-                f"{seconds / requests * 1e3:>11.1f}"
+                f"{target:<10}{name:<42}{seconds:>8.1f}{seconds / tokens * 1e6:>10.0f}"
+                f"{seconds / requests * 1e3:>11.1f}{idle_rates.get(name, 0.0) * 100:>10.1f}"
+                f"{busy / tokens * 1e6:>21.0f}"
             )
         result["frontend_us_per_token"] = frontend / tokens * 1e6
+        result["frontend_above_idle_us_per_token"] = above / tokens * 1e6
         lines.append(
-            f"{target:<7}{'= frontend (all but the model)':<42}{frontend:>8.1f}"
+            f"{target:<10}{'= frontend (all but the model)':<42}{frontend:>8.1f}"
             f"{result['frontend_us_per_token']:>10.0f}{frontend / requests * 1e3:>11.1f}"
+            f"{'':>10}{result['frontend_above_idle_us_per_token']:>21.0f}"
         )
     if {"ours", "vllm"} <= results.keys():
-        ratio = results["ours"]["frontend_us_per_token"] / results["vllm"]["frontend_us_per_token"]
+        ours, vllm = results["ours"], results["vllm"]
+        ratio = ours["frontend_us_per_token"] / vllm["frontend_us_per_token"]
         lines.append(f"\nfrontend CPU per output token, ours / vllm serve: {ratio:.2f}x")
+        if vllm["frontend_above_idle_us_per_token"]:
+            above_ratio = (
+                ours["frontend_above_idle_us_per_token"] / vllm["frontend_above_idle_us_per_token"]
+            )
+            lines.append(f"the same above idle, ours / vllm serve: {above_ratio:.2f}x")
     return "\n".join(lines)
+
+
+def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
+    """``NAME:a.b=1,c=x`` -> (NAME, {"a.b": 1, "c": "x"}); values are JSON, else text."""
+    name, _, assignments = spec.partition(":")
+    overrides: dict[str, Any] = {}
+    for assignment in filter(None, assignments.split(",")):
+        key, _, value = assignment.partition("=")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
+    return name, overrides
+
+
+def with_overrides(app: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    app = json.loads(json.dumps(app))
+    for key, value in overrides.items():
+        *path, last = key.split(".")
+        node = app
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return app
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,24 +210,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--port", type=int, default=8290)
+    parser.add_argument(
+        "--idle-s", type=float, default=20.0, help="idle time measured before the load"
+    )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+        help="a target NAME: ours with these app args changed (dotted keys, JSON values), "
+        "e.g. nochan:engine.output_channels=false; list NAME in --targets (A/B in one run)",
+    )
     parser.add_argument("--out", default="results/cpu_cost")
     ns = parser.parse_args(argv)
     app = engine_settings(bench_args([]))  # The engine settings `make bench` pins.
+    variants = dict(parse_variant(spec) for spec in ns.variant)
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
     for i, target in enumerate(t.strip() for t in ns.targets.split(",") if t.strip()):
-        server = make_server(target, app, ns.port + i, out)
+        label = target if target not in results else f"{target}#{i}"
+        args = with_overrides(app, variants[target]) if target in variants else app
+        server = make_server("ours" if target in variants else target, args, ns.port + i, out)
         try:
             started = time.perf_counter()
             server.start()
-            print(f"[{target}] ready in {time.perf_counter() - started:.0f} s", flush=True)
-            results[target] = measure(server, ns)
+            print(f"[{label}] ready in {time.perf_counter() - started:.0f} s", flush=True)
+            results[label] = measure(server, ns)
         finally:
             server.stop()
     print(
         f"\n{ns.requests} streamed chats x {ns.max_tokens} tokens at c={ns.concurrency}, "
-        f"{MODEL}; CPU time per process role while the load ran:\n"
+        f"{MODEL}; CPU time per process role while the load ran, and above each role's idle rate "
+        f"(measured over {ns.idle_s:g} s with no load just before):\n"
     )
     print(table(results))
     (out / "cpu_cost.json").write_text(json.dumps(results, indent=2))

@@ -281,6 +281,33 @@ def test_cpu_cost_counts_every_process_but_the_models_as_frontend() -> None:
     assert "ours / vllm serve: 4.00x" in text
 
 
+def test_cpu_cost_above_idle_takes_each_roles_idle_rate_out() -> None:
+    from loadtest.cpu_cost import MODEL_PROCESSES, table
+
+    def result(cpu: dict[str, float], idle: dict[str, float]) -> dict[str, Any]:
+        return {
+            "requests_ok": 10,
+            "output_tokens": 1000,
+            "cpu_s": cpu,
+            "load_s": 10.0,
+            "idle_cpu_per_s": idle,
+        }
+
+    results = {
+        # The controller polls at 2 % of a core: 0.2 s of its 0.25 s are idle cost.
+        "ours": result(
+            {MODEL_PROCESSES: 5.0, "Router replica": 0.3, "Serve controller": 0.25},
+            {MODEL_PROCESSES: 0.5, "Router replica": 0.0, "Serve controller": 0.02},
+        ),
+        "vllm": result({"vllm serve API server": 0.12}, {"vllm serve API server": 0.002}),
+    }
+    text = table(results)
+    assert results["ours"]["frontend_us_per_token"] == pytest.approx(550)
+    assert results["ours"]["frontend_above_idle_us_per_token"] == pytest.approx(350)
+    assert results["vllm"]["frontend_above_idle_us_per_token"] == pytest.approx(100)
+    assert "above idle, ours / vllm serve: 3.50x" in text
+
+
 def test_repeats_report_medians_per_phase_and_mark_the_slower_ones() -> None:
     from loadtest import repeats
 
@@ -330,3 +357,19 @@ def test_startup_breakdown_splits_the_start_at_the_logs_markers(tmp_path: Path) 
     )
     text = sb.table({"ours": [result | {"phases": {"Ray + Serve up": 5.0}}], "vllm": [result]})
     assert "Ray + Serve up" in text and "ours/vllm: 1.00x" in text
+
+
+def test_cpu_cost_variants_change_dotted_app_args_only() -> None:
+    from loadtest.cpu_cost import parse_variant, with_overrides
+
+    name, overrides = parse_variant("nochan:engine.output_channels=false,router.num_cpus=0.2")
+    assert name == "nochan"
+    app = {"engine": {"device": "cpu"}, "model": {"name": "m"}}
+    changed = with_overrides(app, overrides)
+    assert changed == {
+        "engine": {"device": "cpu", "output_channels": False},
+        "model": {"name": "m"},
+        "router": {"num_cpus": 0.2},
+    }
+    assert app == {"engine": {"device": "cpu"}, "model": {"name": "m"}}
+    assert parse_variant("x:model.name=tiny-qwen2")[1] == {"model.name": "tiny-qwen2"}
