@@ -9,15 +9,17 @@ flush (in practice one per engine step). The request's own call stays open for i
 Serve's routing, queue lengths, cancellation and failure detection work as before; it carries
 only ``OnChannel`` at the start.
 
-A channel with no request in flight for ``idle_close_s`` ends itself: a draining replica is not
-held up by it, and the caller opens a new one when it next streams there.
+A channel with no request of its caller in flight here for ``idle_close_s`` ends itself (a
+request streaming on its own call counts: the one that offered the channel keeps it open): a
+draining replica is not held up by it, and the caller opens a new one when it next streams there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from serve_app.errors import ErrorInfo
 from serve_app.hops import EngineStep
@@ -30,9 +32,11 @@ MAX_CHANNELS = 1024  # Bounds what callers (router replicas) can make a replica 
 class Outbox:
     """One caller's buffered steps on this replica."""
 
-    def __init__(self) -> None:
+    def __init__(self, busy: Callable[[], bool] = lambda: False) -> None:
+        """``busy()``: whether the caller has a request streaming here on its own call."""
         self.items: list[ChannelItem] = []
         self.in_flight = 0  # Requests streaming through this outbox now.
+        self.busy = busy
         self.closed = False
         self.idle_since = time.monotonic()
         self._ready = asyncio.Event()
@@ -47,15 +51,22 @@ class Outbox:
     def end(self) -> None:
         self.in_flight -= 1
         if not self.in_flight:
-            self.idle_since = time.monotonic()
-            self._ready.set()  # Wake the flusher to start its idle clock.
+            self.touch()
+
+    def touch(self) -> None:
+        """Restart the idle clock (a request of the caller ended)."""
+        self.idle_since = time.monotonic()
+        self._ready.set()  # Wake the flusher to start its idle clock.
+
+    def idle(self) -> bool:
+        return not self.in_flight and not self.busy()
 
     async def batches(self, idle_close_s: float) -> AsyncIterator[list[ChannelItem]]:
         """Everything put since the last batch, as one list, until idle for ``idle_close_s``."""
         try:
             while True:
                 if not self.items:
-                    if not self.in_flight and time.monotonic() - self.idle_since >= idle_close_s:
+                    if self.idle() and time.monotonic() - self.idle_since >= idle_close_s:
                         return
                     self._ready.clear()
                     try:
@@ -77,6 +88,7 @@ class OutputChannels:
     def __init__(self, idle_close_s: float = IDLE_CLOSE_S) -> None:
         self.idle_close_s = idle_close_s
         self._outboxes: dict[str, Outbox] = {}
+        self._direct: dict[str, int] = {}  # Requests streaming on their own call, by caller.
 
     def outbox(self, caller: str | None) -> Outbox | None:
         """The open outbox of ``caller``, if any."""
@@ -93,7 +105,7 @@ class OutputChannels:
         old = self._outboxes.get(caller)
         if old is not None:
             old.closed = True
-        outbox = self._outboxes[caller] = Outbox()
+        outbox = self._outboxes[caller] = Outbox(lambda: self._direct.get(caller, 0) > 0)
         try:
             async for batch in outbox.batches(self.idle_close_s):
                 yield batch
@@ -101,6 +113,19 @@ class OutputChannels:
             outbox.closed = True
             if self._outboxes.get(caller) is outbox:
                 del self._outboxes[caller]
+
+    @contextlib.contextmanager
+    def streaming_directly(self, caller: str) -> Iterator[None]:
+        """A request of ``caller`` streaming on its own call: its channel here stays open."""
+        self._direct[caller] = self._direct.get(caller, 0) + 1
+        try:
+            yield
+        finally:
+            self._direct[caller] -= 1
+            if not self._direct[caller]:
+                del self._direct[caller]
+            if (outbox := self.outbox(caller)) is not None:
+                outbox.touch()
 
     def __len__(self) -> int:
         return len(self._outboxes)

@@ -48,10 +48,14 @@ class EngineDeployment:
             raise RuntimeError("fault injected (engine.inject_faults)")
         outbox = self.channels.outbox(request.channel)
         if outbox is None:
-            if request.channel is not None:
-                yield ChannelOffer(self.replica_id)
-            async for item in self._steps(request):
-                yield item
+            if request.channel is None:
+                async for item in self._steps(request):
+                    yield item
+                return
+            yield ChannelOffer(self.replica_id)
+            with self.channels.streaming_directly(request.channel):
+                async for item in self._steps(request):
+                    yield item
             return
         outbox.begin()  # Before OnChannel: the channel must not idle out in between.
         try:

@@ -36,9 +36,11 @@ class ModelBackend:
         *,
         app_name: str,
         on_resubmit: Callable[[str], None],
+        on_channel_stream: Callable[[str], None] = lambda _: None,
     ) -> None:
         """``config``: this model's single-model config; ``on_resubmit(model)`` counts an
-        engine call resubmitted because its replica went away before the first token."""
+        engine call resubmitted because its replica went away before the first token,
+        ``on_channel_stream(model)`` a stream whose steps came through an output channel."""
         self.config = config
         preprocessor = hop_handle(preprocessor, config.serve_throughput_mode)
         engine = hop_handle(engine, config.serve_throughput_mode)
@@ -47,7 +49,11 @@ class ModelBackend:
         self._engine = engine.options(stream=True)
         # Streamed steps through one call per engine replica (serve_app.engine.channels).
         channels = config.engine.output_channels and config.engine.routing.ours()
-        self._channels = EngineChannels(self._engine) if channels else None
+        self._channels = (
+            EngineChannels(self._engine, on_joined=lambda: on_channel_stream(self.name))
+            if channels
+            else None
+        )
         engine_name = str(getattr(engine, "deployment_name", "") or "Engine")
         self.readiness = Readiness(
             lambda: engine_running(app_name, engine_name),
@@ -126,6 +132,7 @@ class ModelBackends:
         handles: dict[str, dict[str, DeploymentHandle]],
         app_name: str,
         on_resubmit: Callable[[str], None] = lambda _: None,
+        on_channel_stream: Callable[[str], None] = lambda _: None,
     ) -> ModelBackends:
         """``handles``: per served model name, its ``preprocessor`` and ``engine`` handles;
         runtime adapters shared through Ray's GCS where some model allows them."""
@@ -140,6 +147,7 @@ class ModelBackends:
                     handles[single.model.public_name]["engine"],
                     app_name=app_name,
                     on_resubmit=on_resubmit,
+                    on_channel_stream=on_channel_stream,
                 )
                 for single in config.per_model()
             ],

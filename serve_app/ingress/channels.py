@@ -19,6 +19,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -46,10 +47,12 @@ def channel_lost() -> APIError:
 class EngineChannels:
     """This router's channels to the replicas of one engine deployment, and the calls on them."""
 
-    def __init__(self, engine: Any) -> None:
-        """``engine``: the Engine deployment's streaming handle."""
+    def __init__(self, engine: Any, on_joined: Callable[[], None] = lambda: None) -> None:
+        """``engine``: the Engine deployment's streaming handle; ``on_joined()`` counts a
+        stream whose steps come through a channel."""
         self.caller = uuid.uuid4().hex
         self._engine = engine
+        self._on_joined = on_joined
         self._queues: dict[str, asyncio.Queue[Any]] = {}  # By engine request id.
         self._via: dict[str, str] = {}  # Request id -> replica whose channel carries it.
         self._open: dict[str, asyncio.Task[None]] = {}  # By replica id.
@@ -85,6 +88,7 @@ class EngineChannels:
             return
         if replica in self._open:
             self._via[request_id] = replica
+            self._on_joined()
         else:  # That channel ended before this call's first step was delivered.
             queue.put_nowait(channel_lost())
 

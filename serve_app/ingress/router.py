@@ -94,6 +94,7 @@ class Router:
             backends,
             app_name,
             on_resubmit=lambda model: self.metrics.resubmissions.inc(1, {"model": model}),
+            on_channel_stream=lambda model: self.metrics.channel_streams.inc(1, {"model": model}),
         )
         if batch_coordinator is not None:
             batch_routes.connect(batch_coordinator)

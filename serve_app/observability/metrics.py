@@ -62,6 +62,13 @@ class RouterMetrics:
             tag_keys=("application", "model"),
         )
         self.resubmissions.set_default_tags({"application": application})
+        self.channel_streams = metrics.Counter(
+            "serve_app_engine_channel_streams_total",
+            "Streamed engine requests whose steps came through an output channel (one message "
+            "per engine step for all of a router's streams on a replica: engine.output_channels).",
+            tag_keys=("application", "model"),
+        )
+        self.channel_streams.set_default_tags({"application": application})
 
     def record(self, stats: RequestStats, status: int) -> None:
         tags = {"route": stats.route, "model": stats.model}

@@ -44,6 +44,7 @@ ADAPTER = "poet"
 ADAPTER_DIRS: dict[str, str] = {}
 DECISIONS = "ray_serve_app_routing_decisions_total"
 RESUBMISSIONS = "ray_serve_app_engine_resubmissions_total"
+CHANNEL_STREAMS = "ray_serve_app_engine_channel_streams_total"
 
 
 def system_prompt(k: int) -> str:
@@ -240,7 +241,9 @@ def test_a_killed_engine_replica_costs_no_request_that_had_not_started(routing_u
     """SIGKILL one engine replica under load. What it held and had not answered yet (every
     non-streaming request) is resubmitted to the other replica, invisibly: all 200. A stream
     that had started ends with an error event, then [DONE]; nothing hangs. Serve brings the
-    replica back."""
+    replica back. The first two streams open the router's output channels (one per prompt,
+    each prompt's home replica); the later two stream through them, so the kill also cuts a
+    channel with streams on it."""
     import json
     import os
     import signal
@@ -248,6 +251,7 @@ def test_a_killed_engine_replica_costs_no_request_that_had_not_started(routing_u
     from tests.serve.test_scale_survive import _replica_pids
 
     before = _sample(_metrics_text(), RESUBMISSIONS, application=APP)
+    channel_before = _sample(_metrics_text(), CHANNEL_STREAMS, application=APP)
 
     started: list[int] = []
 
@@ -271,9 +275,13 @@ def test_a_killed_engine_replica_costs_no_request_that_had_not_started(routing_u
 
     async def run() -> tuple[list[list[str]], list[int]]:
         async with httpx.AsyncClient(timeout=httpx.Timeout(240, connect=30)) as http:
-            streams = [asyncio.create_task(stream(http, i)) for i in range(4)]
-            wholes = [asyncio.create_task(whole(http, i)) for i in range(8)]
+            streams = [asyncio.create_task(stream(http, i)) for i in range(2)]
             deadline = time.monotonic() + 120
+            while len(started) < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)  # Their replicas offered channels: opened by now.
+            await asyncio.sleep(1)
+            streams += [asyncio.create_task(stream(http, i)) for i in range(2, 4)]
+            wholes = [asyncio.create_task(whole(http, i)) for i in range(8)]
             while len(started) < 4 and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)  # Admitted on both replicas, streams under way.
             victim = _replica_pids(APP, "Engine")[0]
@@ -293,8 +301,16 @@ def test_a_killed_engine_replica_costs_no_request_that_had_not_started(routing_u
     while after <= before and time.monotonic() < deadline:  # Exported every few seconds.
         time.sleep(2)
         after = _sample(_metrics_text(), RESUBMISSIONS, application=APP)
-    print(f"\nreplica killed: {cut} of 4 streams cut, {after - before:.0f} resubmitted, 8/8 200")
+    channel_after = _sample(_metrics_text(), CHANNEL_STREAMS, application=APP)
+    while channel_after <= channel_before and time.monotonic() < deadline:
+        time.sleep(2)
+        channel_after = _sample(_metrics_text(), CHANNEL_STREAMS, application=APP)
+    print(
+        f"\nreplica killed: {cut} of 4 streams cut, {after - before:.0f} resubmitted, 8/8 200, "
+        f"{channel_after - channel_before:.0f} streams on output channels"
+    )
     assert after > before, "no request was resubmitted: the killed replica held none"
+    assert channel_after > channel_before, "no stream went through an output channel"
     _wait_for_engines(2)
 
 

@@ -86,6 +86,26 @@ def test_a_channel_stays_open_while_a_stream_is_in_flight() -> None:
     asyncio.run(scenario())
 
 
+def test_a_callers_stream_on_its_own_call_keeps_its_channel_open() -> None:
+    """The request that offered the channel streams on its own call: until it ends the channel
+    waits for the next ones (else sparse traffic would reopen it for every request)."""
+
+    async def scenario() -> None:
+        channels = OutputChannels(idle_close_s=0.02)
+        with channels.streaming_directly("router-1"):
+            reader = asyncio.create_task(_drain(channels.open("router-1")))
+            await asyncio.sleep(0.1)
+            assert not reader.done() and channels.outbox("router-1") is not None
+            with channels.streaming_directly("router-2"):  # Another caller's: not this one's.
+                pass
+            await asyncio.sleep(0.1)
+            assert not reader.done()
+        await asyncio.wait_for(reader, 1)
+        assert channels.outbox("router-1") is None
+
+    asyncio.run(scenario())
+
+
 def test_a_stream_stops_when_its_channel_is_gone() -> None:
     """The engine aborts (closes the steps) instead of filling an outbox nobody reads."""
 
