@@ -15,6 +15,9 @@ token above it: Ray's and Serve's daemons poll at a fixed rate, which on this sl
 large share per token and on a GPU box streaming 100x the tokens a small one.
 
     python -m loadtest.cpu_cost [--targets ours,vllm] [--requests 192] [--concurrency 32]
+
+``--profile`` also samples the busiest roles with ``py-spy`` during the load and prints where
+their CPU goes (top functions, µs per output token; see ``loadtest.profiles``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 
 import psutil
 
-from loadtest import workloads
+from loadtest import profiles, workloads
 from loadtest.bench import engine_settings
 from loadtest.bench import parse_args as bench_args
 from loadtest.client import RequestRecord, make_http, stream_chat
@@ -36,6 +39,8 @@ from loadtest.shapes import run_shape
 from loadtest.targets import MODEL, Server, make_server
 
 MODEL_PROCESSES = "vLLM engine core + workers (the model)"
+# The roles whose CPU grows with tokens, sampled by --profile.
+PROFILED = ("Router replica", "Engine replica", "Serve proxy", "vllm serve API server")
 
 
 def role(process: psutil.Process) -> str:
@@ -81,6 +86,15 @@ def processes(root: int) -> dict[int, tuple[str, psutil.Process]]:
     return found
 
 
+def profiled_pids(root: int) -> dict[str, int]:
+    """One process per profiled role (the first found: one replica of each here)."""
+    pids: dict[str, int] = {}
+    for pid, (name, _) in sorted(processes(root).items()):
+        if name in PROFILED:
+            pids.setdefault(name, pid)
+    return pids
+
+
 def cpu_seconds(process: psutil.Process) -> float:
     try:
         times = process.cpu_times()
@@ -112,7 +126,7 @@ def cpu_by_role(
     return per_role, {pid: seconds for pid, (_, seconds) in now.items()}
 
 
-def measure(server: Server, ns: argparse.Namespace) -> dict[str, Any]:
+def measure(server: Server, ns: argparse.Namespace, label: str) -> dict[str, Any]:
     """CPU seconds per role over the fixed load, the output tokens it produced, and each role's
     CPU while idle just before (Ray's and Serve's daemons poll whether or not tokens flow)."""
     bodies = workloads.build("random", MODEL, ns.requests, ns.max_tokens, ns.seed)
@@ -122,11 +136,16 @@ def measure(server: Server, ns: argparse.Namespace) -> dict[str, Any]:
     _, before = cpu_by_role(root)
     time.sleep(ns.idle_s)
     idle, before = cpu_by_role(root, before)
+    recording = profiles.record(profiled_pids(root), Path(ns.out), label) if ns.profile else None
     started = time.perf_counter()
     records = asyncio.run(load(server.base_url, bodies, ns.concurrency))
     load_s = time.perf_counter() - started
     per_role, _ = cpu_by_role(root, before)
     tokens = sum(r.output_tokens for r in records if r.ok)
+    if recording is not None:
+        recording.stop()
+        for name, path in recording.files.items():
+            print(f"\n[{label}] {name}: {profiles.summary(path, tokens)}", flush=True)
     return {
         "requests_ok": sum(r.ok for r in records),
         "output_tokens": tokens,
@@ -221,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         help="a target NAME: ours with these app args changed (dotted keys, JSON values), "
         "e.g. nochan:engine.output_channels=false; list NAME in --targets (A/B in one run)",
     )
+    parser.add_argument(
+        "--profile", action="store_true", help="sample the per-token roles with py-spy"
+    )
     parser.add_argument("--out", default="results/cpu_cost")
     ns = parser.parse_args(argv)
     app = engine_settings(bench_args([]))  # The engine settings `make bench` pins.
@@ -236,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             started = time.perf_counter()
             server.start()
             print(f"[{label}] ready in {time.perf_counter() - started:.0f} s", flush=True)
-            results[label] = measure(server, ns)
+            results[label] = measure(server, ns, label)
         finally:
             server.stop()
     print(

@@ -373,3 +373,20 @@ def test_cpu_cost_variants_change_dotted_app_args_only() -> None:
     }
     assert app == {"engine": {"device": "cpu"}, "model": {"name": "m"}}
     assert parse_variant("x:model.name=tiny-qwen2")[1] == {"model.name": "tiny-qwen2"}
+
+
+def test_profiles_fold_counts_a_function_once_per_stack_and_leaves_as_self(tmp_path) -> None:
+    from loadtest.profiles import RATE_HZ, fold, summary
+
+    path = tmp_path / "r.folded"
+    path.write_text(
+        "process 1:x;thread (0x1): MainThread;run (a.py);step (b.py);run (a.py) 3\n"
+        "run (a.py);dump (c.py) 1\n"
+        "garbage\n"
+    )
+    total, inclusive, leaf = fold(path)
+    assert total == 4
+    assert inclusive == {"run (a.py)": 4, "step (b.py)": 3, "dump (c.py)": 1}
+    assert leaf == {"run (a.py)": 3, "dump (c.py)": 1}
+    text = summary(path, output_tokens=1)
+    assert f"{4 * 1e6 / RATE_HZ:.0f} µs/token" in text and "75.0%" in text
