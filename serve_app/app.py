@@ -11,7 +11,7 @@ from ray.serve import Application
 
 from serve_app.batch_api.deployment import BatchCoordinator
 from serve_app.config import AppConfig
-from serve_app.config.app import deployment_suffix
+from serve_app.config.app import GRPC_MESSAGE_ENV, deployment_suffix
 from serve_app.config.model import check_adapter
 from serve_app.engine.deployment import EngineDeployment
 from serve_app.engine.routing.options import request_router_config
@@ -28,14 +28,12 @@ BUFFER_ENV = {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_": "262
 
 # Ray Serve's throughput mode, read by each replica process at start (AppConfig
 # serve_throughput_mode). Direct ingress would need the proxy and controller in the mode too;
-# replica logs stay on the console; gRPC messages are bounded by our own limits (request
-# bodies, upload parts), not by gRPC's 4 MiB default.
+# replica logs stay on the console.
 THROUGHPUT_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
     "RAY_SERVE_LOG_TO_STDERR": "1",
-    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**31 - 1),
-}
+} | GRPC_MESSAGE_ENV
 
 
 def _with_env(options: dict[str, Any], env: dict[str, str], config: AppConfig) -> dict[str, Any]:

@@ -17,6 +17,10 @@ from serve_app.config.model import ModelConfig
 from serve_app.config.replicas import PreprocessorConfig, ReplicaConfig
 from serve_app.config.security import SecurityConfig
 
+# gRPC messages between Serve's processes are bounded by our own limits (request bodies, upload
+# parts, file downloads), not by gRPC's 4 MiB default; read by each process at start.
+GRPC_MESSAGE_ENV = {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(2**31 - 1)}
+
 
 class TracingConfig(StrictModel):
     exporter: Literal["otlp", "console", "memory", "none"] | None = Field(
