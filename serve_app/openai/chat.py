@@ -7,8 +7,11 @@ import json
 import time
 from collections.abc import AsyncIterator
 
+from pydantic import BaseModel
+
 from serve_app.errors import cancelled_by_callee, cancelled_here, stream_error
 from serve_app.hops import EngineStep, PreprocessRequest, TokenLogprob
+from serve_app.openai.chunks import TextEvents
 from serve_app.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -156,15 +159,20 @@ async def _stream(
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     created = int(time.time())
 
-    def chunk(choices: list[ChatChunkChoice]) -> str:
-        return sse(
-            ChatCompletionChunk(
-                id=prepared.request_id,
-                created=created,
-                model=serving.model_name,
-                choices=choices,
-            ).model_dump_json(exclude=None if include_usage else {"usage"})
+    def model(choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=prepared.request_id, created=created, model=serving.model_name, choices=choices
         )
+
+    def dump(model: BaseModel) -> str:
+        return model.model_dump_json(exclude=None if include_usage else {"usage"})
+
+    def chunk(choices: list[ChatChunkChoice]) -> str:
+        return sse(dump(model(choices)))
+
+    text_events = TextEvents(
+        lambda i, text: model([ChatChunkChoice(index=i, delta=DeltaMessage(content=text))]), dump
+    )
 
     usage = prepared.stats.usage
     tool_streams = (
@@ -184,6 +192,12 @@ async def _stream(
         pending: tuple[int, EngineStep] | None = first
         while pending is not None:
             _, step = pending
+            if tool_streams is None and len(step.chunks) == 1:  # Almost every token.
+                only = step.chunks[0]
+                if only.text and only.finish_reason is None and only.logprobs is None:
+                    yield text_events.event(only.index, only.text)
+                    pending = await anext(steps, None)
+                    continue
             choices = []
             for c in step.chunks:
                 delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason

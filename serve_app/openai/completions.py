@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 from serve_app.errors import cancelled_by_callee, cancelled_here, stream_error
 from serve_app.hops import EngineStep, PreprocessRequest, TokenLogprob
+from serve_app.openai.chunks import TextEvents
 from serve_app.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -137,10 +138,28 @@ async def _stream(
         )
         return sse(response.model_dump_json(exclude_none=False))
 
+    text_events = TextEvents(
+        lambda i, text: CompletionResponse(
+            id=prepared.request_id,
+            created=created,
+            model=serving.model_name,
+            choices=[CompletionChoice(index=i, text=text)],
+        ),
+        lambda model: model.model_dump_json(exclude_none=False),
+    )
+
     try:
         pending: tuple[int, EngineStep] | None = first
         while pending is not None:
             prompt_index, step = pending
+            if len(step.chunks) == 1 and request.logprobs is None:  # Almost every token.
+                only = step.chunks[0]
+                index = prompt_index * n + only.index
+                echoing = request.echo and index not in echoed
+                if only.text and only.finish_reason is None and not echoing:
+                    yield text_events.event(index, only.text)
+                    pending = await anext(steps, None)
+                    continue
             choices = []
             for chunk in step.chunks:
                 index = prompt_index * n + chunk.index

@@ -229,11 +229,11 @@ def _unwrap(item: EngineStep | ErrorInfo) -> EngineStep:
 
 # Line separators JSON may carry raw inside strings but line readers split at (httpx's
 # iter_lines, Python's str.splitlines): escaped, the same JSON, and one event stays one line.
-_LINE_SEPARATORS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+LINE_SEPARATORS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
 
 
 def sse(payload: str) -> str:
-    return f"data: {payload.translate(_LINE_SEPARATORS)}\n\n"
+    return f"data: {payload.translate(LINE_SEPARATORS)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
