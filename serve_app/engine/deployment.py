@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from ray import serve
@@ -48,12 +49,11 @@ class EngineDeployment:
             raise RuntimeError("fault injected (engine.inject_faults)")
         outbox = self.channels.outbox(request.channel)
         if outbox is None:
-            if request.channel is None:
-                async for item in self._steps(request):
-                    yield item
-                return
-            yield ChannelOffer(self.replica_id)
-            with self.channels.streaming_directly(request.channel):
+            direct: AbstractContextManager[object] = nullcontext()
+            if request.channel is not None:
+                yield ChannelOffer(self.replica_id)
+                direct = self.channels.streaming_directly(request.channel)
+            with direct:
                 async for item in self._steps(request):
                     yield item
             return

@@ -164,8 +164,8 @@ async def _stream(
             id=prepared.request_id, created=created, model=serving.model_name, choices=choices
         )
 
-    def dump(model: BaseModel) -> str:
-        return model.model_dump_json(exclude=None if include_usage else {"usage"})
+    def dump(chunk_model: BaseModel) -> str:
+        return chunk_model.model_dump_json(exclude=None if include_usage else {"usage"})
 
     def chunk(choices: list[ChatChunkChoice]) -> str:
         return sse(dump(model(choices)))
@@ -192,27 +192,10 @@ async def _stream(
         pending: tuple[int, EngineStep] | None = first
         while pending is not None:
             _, step = pending
-            if tool_streams is None and len(step.chunks) == 1:  # Almost every token.
-                only = step.chunks[0]
-                if only.text and only.finish_reason is None and only.logprobs is None:
-                    yield text_events.event(only.index, only.text)
-                    pending = await anext(steps, None)
-                    continue
-            choices = []
-            for c in step.chunks:
-                delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
-                if tool_streams is not None:
-                    delta, finish_reason = _tool_delta(tool_streams[c.index], c.text, finish_reason)
-                if delta.content or delta.tool_calls or finish_reason or c.logprobs:
-                    choices.append(
-                        ChatChunkChoice(
-                            index=c.index,
-                            delta=delta,
-                            logprobs=_chat_logprobs(c.logprobs),
-                            finish_reason=finish_reason,
-                        )
-                    )
-            if choices:
+            only = step.chunks[0] if tool_streams is None and len(step.chunks) == 1 else None
+            if only and only.text and only.finish_reason is None and only.logprobs is None:
+                yield text_events.event(only.index, only.text)  # Almost every token.
+            elif choices := _chunk_choices(step, tool_streams):
                 yield chunk(choices)
             pending = await anext(steps, None)
     except Exception as exc:
@@ -232,3 +215,24 @@ async def _stream(
         )
         yield sse(final.model_dump_json())
     yield SSE_DONE
+
+
+def _chunk_choices(
+    step: EngineStep, tool_streams: dict[int, ToolStream] | None
+) -> list[ChatChunkChoice]:
+    """The stream chunk's choices for one engine step: those with anything to say."""
+    choices = []
+    for c in step.chunks:
+        delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
+        if tool_streams is not None:
+            delta, finish_reason = _tool_delta(tool_streams[c.index], c.text, finish_reason)
+        if delta.content or delta.tool_calls or finish_reason or c.logprobs:
+            choices.append(
+                ChatChunkChoice(
+                    index=c.index,
+                    delta=delta,
+                    logprobs=_chat_logprobs(c.logprobs),
+                    finish_reason=finish_reason,
+                )
+            )
+    return choices

@@ -145,43 +145,41 @@ async def _stream(
             model=serving.model_name,
             choices=[CompletionChoice(index=i, text=text)],
         ),
-        lambda model: model.model_dump_json(exclude_none=False),
+        lambda chunk_model: chunk_model.model_dump_json(exclude_none=False),
     )
 
     try:
         pending: tuple[int, EngineStep] | None = first
         while pending is not None:
             prompt_index, step = pending
-            if len(step.chunks) == 1 and request.logprobs is None:  # Almost every token.
-                only = step.chunks[0]
-                index = prompt_index * n + only.index
-                echoing = request.echo and index not in echoed
-                if only.text and only.finish_reason is None and not echoing:
-                    yield text_events.event(index, only.text)
-                    pending = await anext(steps, None)
-                    continue
-            choices = []
-            for chunk in step.chunks:
-                index = prompt_index * n + chunk.index
-                text = chunk.text
-                if request.echo and index not in echoed:
-                    echoed.add(index)
-                    text = (prepared.prompts[prompt_index].text or "") + text
-                logprobs = None
-                if request.logprobs is not None and chunk.logprobs:
-                    builder = builders.setdefault(index, _LogprobBuilder(0))
-                    logprobs = builder.add(chunk.logprobs)
-                if text or chunk.finish_reason or logprobs:
-                    choices.append(
-                        CompletionChoice(
-                            index=index,
-                            text=text,
-                            logprobs=logprobs,
-                            finish_reason=chunk.finish_reason,
+            only = step.chunks[0] if len(step.chunks) == 1 and request.logprobs is None else None
+            text_index = prompt_index * n + only.index if only else -1
+            echoing = request.echo and text_index not in echoed
+            if only and only.text and only.finish_reason is None and not echoing:
+                yield text_events.event(text_index, only.text)  # Almost every token.
+            else:
+                choices = []
+                for chunk in step.chunks:
+                    index = prompt_index * n + chunk.index
+                    text = chunk.text
+                    if request.echo and index not in echoed:
+                        echoed.add(index)
+                        text = (prepared.prompts[prompt_index].text or "") + text
+                    logprobs = None
+                    if request.logprobs is not None and chunk.logprobs:
+                        builder = builders.setdefault(index, _LogprobBuilder(0))
+                        logprobs = builder.add(chunk.logprobs)
+                    if text or chunk.finish_reason or logprobs:
+                        choices.append(
+                            CompletionChoice(
+                                index=index,
+                                text=text,
+                                logprobs=logprobs,
+                                finish_reason=chunk.finish_reason,
+                            )
                         )
-                    )
-            if choices:
-                yield body(choices)
+                if choices:
+                    yield body(choices)
             pending = await anext(steps, None)
     except Exception as exc:
         # Headers are sent: the error travels as an SSE event, then [DONE].
