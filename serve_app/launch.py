@@ -18,7 +18,6 @@ from typing import Any
 import httpx
 import yaml
 
-from serve_app.config.app import GRPC_MESSAGE_ENV
 from serve_app.config.cores import core_list
 from serve_app.engine import cpu_pinning
 
@@ -104,12 +103,6 @@ def init_local_ray(apps: list[dict[str, Any]], *, dashboard: bool = True) -> Non
     # Serve's data-plane fast path (gRPC between replicas, no extra thread hops); read by
     # every Ray process at start, so it must be in the environment Ray inherits.
     os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
-    # And between Serve's proxy and the routers: the mode alone leaves the proxy on Ray's
-    # object transport (Ray 2.60 reads the proxy's flag before the mode turns gRPC on), a Ray
-    # object and a thread hop per SSE event, i.e. per streamed token, in proxy and router.
-    os.environ.setdefault("RAY_SERVE_PROXY_USE_GRPC", "1")
-    for name, value in GRPC_MESSAGE_ENV.items():  # The proxy receives router responses.
-        os.environ.setdefault(name, value)
     # Its direct ingress keeps a stopping router 30 s for an external load balancer to
     # notice; here Serve's own proxy is the only one, told at once.
     os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
