@@ -10,6 +10,7 @@ from typing import Any
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig
+from serve_app.engine.routing.departures import ENGINE_DEPARTURES
 from serve_app.errors import BACKEND_UNAVAILABLE, APIError, model_not_found
 from serve_app.hops import EngineRequest, LoraAdapter, PreprocessRequest, PreprocessResult
 from serve_app.ingress.adapters import GcsStore, RuntimeAdapters
@@ -61,6 +62,8 @@ class ModelBackend:
             timeout_s=config.health_timeout_s,
         )
         self._on_resubmit = on_resubmit
+        # Our request router tells a call when its replica is lost (dead or hung).
+        self._watch_departures = config.engine.routing.ours()
         self._max_model_len: int | None = None
         self._preprocessing = 0  # Preprocess calls in flight from this replica.
         self.serving = OpenAIServing(config, preprocess=self._preprocess, generate=self._generate)
@@ -85,6 +88,9 @@ class ModelBackend:
                 ),
                 assign_timeout_s=min(wait_s, RESUBMIT_ASSIGN_S) if again else wait_s,
                 timeout_s=self.config.request_timeout_s,
+                watch=(
+                    ENGINE_DEPARTURES.watch(request.request_id) if self._watch_departures else None
+                ),
             ),
             on_resubmit=lambda: self._on_resubmit(self.name),
         )

@@ -10,7 +10,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from ray.serve.exceptions import BackPressureError
@@ -46,6 +47,32 @@ def timeout_error(timeout_s: float) -> APIError:
     )
 
 
+def replica_gone() -> APIError:
+    # engine_unavailable: resubmitted when no token went out yet (resubmitted_once).
+    return APIError(
+        "The engine replica serving the request was lost (dead or hung); retry shortly.",
+        status=503,
+        type="server_error",
+        code="engine_unavailable",
+    )
+
+
+async def _unless_lost(item: Awaitable[Any], lost: asyncio.Future[None]) -> Any:
+    """``item``'s result, unless ``lost`` resolves first: then ``replica_gone()``."""
+    next_item = asyncio.ensure_future(item)
+    try:
+        await asyncio.wait((next_item, lost), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not next_item.done():
+            next_item.cancel()
+            # Serve's generator turns the cancel into its RequestCancelledError: retrieved
+            # here, or asyncio logs it as never retrieved.
+            next_item.add_done_callback(lambda done: done.cancelled() or done.exception())
+    if not next_item.done():
+        raise replica_gone()
+    return next_item.result()
+
+
 def _overloaded(exc: BackPressureError) -> APIError:
     return APIError(
         f"The model backend is at capacity ({exc.message.rstrip('.')}); retry shortly.",
@@ -56,7 +83,11 @@ def _overloaded(exc: BackPressureError) -> APIError:
 
 
 async def bounded_stream(
-    call: Callable[[], Any], *, assign_timeout_s: float, timeout_s: float
+    call: Callable[[], Any],
+    *,
+    assign_timeout_s: float,
+    timeout_s: float,
+    watch: AbstractContextManager[asyncio.Future[None] | None] | None = None,
 ) -> AsyncIterator[Any]:
     """Items of a streaming handle call (``call()`` returns a ``DeploymentResponseGenerator``),
     bounded twice.
@@ -66,53 +97,63 @@ async def bounded_stream(
     raw BackPressureError, which its proxy would answer in plain text). The whole stream past
     ``timeout_s``: 504 ``timeout``. Whenever the stream does not run to its end (bound hit,
     consumer gone), the call is cancelled, so the engine aborts the vLLM request.
+
+    ``watch``: entered around the call, gives a future that resolves if the call's replica is
+    lost (``engine.routing.departures``); until the first item, that ends the call with 503
+    ``engine_unavailable`` (resubmitted by ``resubmitted_once``) instead of waiting out
+    ``timeout_s`` on a replica that will never answer.
     """
-    deadline = time.monotonic() + timeout_s
-    try:
-        response = call()
-    except BackPressureError as exc:
-        raise _overloaded(exc) from None
-    done = False
-    try:
-        # Private Serve API (2.60): resolves once a replica accepted the call.
-        assigned = getattr(response, "_fetch_future_result_async", None)
-        if assigned is not None:
-            try:
-                await asyncio.wait_for(assigned(), min(assign_timeout_s, timeout_s))
-            except TimeoutError:
-                raise APIError(
-                    f"No model replica accepted the request within {assign_timeout_s:g} s "
-                    "(starting, restarting or overloaded); retry shortly.",
-                    status=503,
-                    type="server_error",
-                    code="backend_unavailable",
-                ) from None
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise timeout_error(timeout_s)
-            try:
-                # asyncio.timeout, not wait_for: no task per item (this runs once per token).
-                async with asyncio.timeout(remaining):
-                    item = await anext(response)
-            except StopAsyncIteration:
-                done = True
-                return
-            except TimeoutError:
-                raise timeout_error(timeout_s) from None
-            yield item
-    except BackPressureError as exc:
-        raise _overloaded(exc) from None
-    except asyncio.CancelledError as exc:
-        if cancelled_here():
-            raise
-        raise cancelled_by_callee(exc) from None
-    finally:
-        if not done:
-            # Serve's cancel() re-raises a failed assignment (e.g. BackPressureError): that
-            # must not replace the error already being raised.
-            with contextlib.suppress(Exception):
-                response.cancel()
+    with watch or nullcontext() as lost:
+        deadline = time.monotonic() + timeout_s
+        try:
+            response = call()
+        except BackPressureError as exc:
+            raise _overloaded(exc) from None
+        done = False
+        try:
+            # Private Serve API (2.60): resolves once a replica accepted the call.
+            assigned = getattr(response, "_fetch_future_result_async", None)
+            if assigned is not None:
+                try:
+                    await asyncio.wait_for(assigned(), min(assign_timeout_s, timeout_s))
+                except TimeoutError:
+                    raise APIError(
+                        f"No model replica accepted the request within {assign_timeout_s:g} s "
+                        "(starting, restarting or overloaded); retry shortly.",
+                        status=503,
+                        type="server_error",
+                        code="backend_unavailable",
+                    ) from None
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise timeout_error(timeout_s)
+                try:
+                    # asyncio.timeout, not wait_for: no task per item (this runs once per token).
+                    async with asyncio.timeout(remaining):
+                        if lost is None:
+                            item = await anext(response)
+                        else:  # Until the first item: its replica may be lost.
+                            item = await _unless_lost(anext(response), lost)
+                            lost = None
+                except StopAsyncIteration:
+                    done = True
+                    return
+                except TimeoutError:
+                    raise timeout_error(timeout_s) from None
+                yield item
+        except BackPressureError as exc:
+            raise _overloaded(exc) from None
+        except asyncio.CancelledError as exc:
+            if cancelled_here():
+                raise
+            raise cancelled_by_callee(exc) from None
+        finally:
+            if not done:
+                # Serve's cancel() re-raises a failed assignment (e.g. BackPressureError): that
+                # must not replace the error already being raised.
+                with contextlib.suppress(Exception):
+                    response.cancel()
 
 
 async def resubmitted_once(

@@ -31,6 +31,9 @@ ROUTING: dict[str, Any] = {
         "kv_cache_space_gib": 1,
         "num_cpus": 0.1,
         "graceful_shutdown_timeout_s": 60,
+        # A stopped replica is found unhealthy after 3 failed checks in a row: ~20 s.
+        "health_check_period_s": 2,
+        "health_check_timeout_s": 5,
         "routing": {"spill_margin": 1, "spill_ratio": 0},
     },
     "router": {"num_cpus": 0.05},
@@ -311,6 +314,46 @@ def test_a_killed_engine_replica_costs_no_request_that_had_not_started(routing_u
     )
     assert after > before, "no request was resubmitted: the killed replica held none"
     assert channel_after > channel_before, "no stream went through an output channel"
+    _wait_for_engines(2)
+
+
+def test_a_hung_engine_replica_costs_no_request_that_had_not_started(routing_url: str) -> None:
+    """SIGSTOP one engine replica with non-streaming requests on it: its connections stay open
+    and nothing on them ever fails. Once Serve finds it unhealthy, the router probes it, finds
+    it silent and resubmits what it held to the other replica: all 200, well inside
+    request_timeout_s (50 s), where they used to wait it out (504)."""
+    import os
+    import signal
+
+    from tests.serve.test_scale_survive import _replica_pids
+
+    before = _sample(_metrics_text(), RESUBMISSIONS, application=APP)
+
+    async def whole(http: httpx.AsyncClient, i: int) -> int:
+        body = chat(1 + i % 2, f"Write a long letter about harbour {i}.", 200)
+        body["ignore_eos"] = True
+        return (await http.post(f"{routing_url}/v1/chat/completions", json=body)).status_code
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(240, connect=30)) as http:
+            wholes = [asyncio.create_task(whole(http, i)) for i in range(8)]
+            await asyncio.sleep(3)  # Preprocessed and admitted: the burst spills to both.
+            victim = _replica_pids(APP, "Engine")[0]
+            os.kill(victim, signal.SIGSTOP)
+            try:
+                return list(await asyncio.gather(*wholes))
+            finally:
+                os.kill(victim, signal.SIGCONT)  # Serve replaces it; let it die cleanly.
+
+    statuses = asyncio.run(run())
+    assert statuses == [200] * 8, statuses
+    after = _sample(_metrics_text(), RESUBMISSIONS, application=APP)
+    deadline = time.monotonic() + 60
+    while after <= before and time.monotonic() < deadline:  # Exported every few seconds.
+        time.sleep(2)
+        after = _sample(_metrics_text(), RESUBMISSIONS, application=APP)
+    print(f"\nreplica stopped: {after - before:.0f} resubmitted, 8/8 200")
+    assert after > before, "no request was resubmitted: the stopped replica held none"
     _wait_for_engines(2)
 
 

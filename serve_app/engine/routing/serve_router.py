@@ -7,6 +7,8 @@ processes; what it imports (serve_app) must be importable there, as it is in eve
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -21,6 +23,10 @@ from ray.serve.request_router import (
 )
 
 from serve_app.config.routing import RoutingConfig
+
+# The module, not its ENGINE_DEPARTURES: Serve pickles this module by value, which would copy
+# the registry instead of sharing the process's one with the calls (ingress.backends).
+from serve_app.engine.routing import departures
 from serve_app.engine.routing.policy import KV_CACHE_TOKENS, RoutingPolicy
 from serve_app.observability.metrics import RoutingMetrics
 
@@ -59,6 +65,14 @@ def request_keys(pending: PendingRequest | None) -> RequestKeys:
     return RequestKeys(session=handle_session)
 
 
+def engine_request_id(pending: PendingRequest) -> str | None:
+    """The engine request id of a generate call (its ``EngineRequest``), if it is one."""
+    for arg in pending.args:
+        if hasattr(arg, "block_hashes") and isinstance(getattr(arg, "request_id", None), str):
+            return str(arg.request_id)
+    return None
+
+
 def target_replica(pending: PendingRequest) -> str | None:
     """The replica a call must go to (``ChannelOpen``), if it names one."""
     for arg in pending.args:
@@ -70,6 +84,11 @@ def target_replica(pending: PendingRequest) -> str | None:
 
 # A pick Serve never sent (the request was cancelled first) stops counting after this long.
 PICK_TTL_S = 5.0
+# A replica that left the routing set with calls of ours on it: how long it has to answer a
+# queue-length probe (a draining replica does; a hung one is lost), and how often it is asked
+# again while those calls last (a drain can hang too).
+DEPARTED_PROBE_S = 5.0
+DEPARTED_PROBE_EVERY_S = 5.0
 
 
 # No FIFOMixin: with it Serve hands the replica chosen for one request to whichever request
@@ -85,6 +104,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         # sends): a burst routed at once (an aggregation window's worth, on an expired cache)
         # must see its own earlier picks, or every request of it lands on one replica.
         self._picks: dict[int, tuple[ReplicaID, float]] = {}
+        self._departed_probes: set[asyncio.Task[None]] = set()
         deployment = self._deployment_id
         self._metrics = RoutingMetrics(deployment.app_name, deployment.name)
 
@@ -93,7 +113,17 @@ class PrefixAwareRequestRouter(RequestRouter):
         return self._policy
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        previous = dict(self.curr_replicas)
         super().update_replicas(replicas)
+        kept = {r.replica_id for r in replicas}
+        for replica_id, replica in previous.items():
+            if replica_id not in kept and departures.ENGINE_DEPARTURES.watching(
+                replica_id.unique_id
+            ):
+                with contextlib.suppress(RuntimeError):  # No running loop: nothing to watch.
+                    probe = asyncio.get_running_loop().create_task(self._until_gone(replica))
+                    self._departed_probes.add(probe)  # The loop keeps tasks weakly.
+                    probe.add_done_callback(self._departed_probes.discard)
         self._policy.set_replicas(r.replica_id.unique_id for r in replicas)
         for replica in replicas:
             tokens = (replica.routing_stats or {}).get(KV_CACHE_TOKENS)
@@ -105,6 +135,20 @@ class PrefixAwareRequestRouter(RequestRouter):
         # controller's next replica-set broadcast.
         super().on_replica_actor_died(replica_id)
         self._policy.remove_replica(replica_id.unique_id)
+        departures.ENGINE_DEPARTURES.lost(replica_id.unique_id)
+
+    async def _until_gone(self, replica: RunningReplica) -> None:
+        """Probe a replica that left the set while calls of ours are on it: one that stops
+        answering (dead, hung) is lost, which fails those calls over (``departures``)."""
+        name = replica.replica_id.unique_id
+        while departures.ENGINE_DEPARTURES.watching(name):
+            try:
+                probe = replica.get_queue_len(deadline_s=DEPARTED_PROBE_S)
+                await asyncio.wait_for(probe, DEPARTED_PROBE_S)
+            except Exception:  # Dead (ActorDiedError), unreachable, or no answer in time.
+                departures.ENGINE_DEPARTURES.lost(name)
+                return
+            await asyncio.sleep(DEPARTED_PROBE_EVERY_S)
 
     async def _queue_lens(self, replicas: list[RunningReplica]) -> dict[ReplicaID, int]:
         """Queue lengths from Serve's per-caller cache, probing the replicas it lacks."""
@@ -211,6 +255,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         self._picks.pop(id(pending_request), None)
+        if (request_id := engine_request_id(pending_request)) is not None:
+            departures.ENGINE_DEPARTURES.routed(request_id, replica_id.unique_id)
         # Called once the replica accepted. choose() already recorded the blocks at its pick;
         # if Serve fell back to the second rank, record them where they really went.
         hashes = request_keys(pending_request).hashes
