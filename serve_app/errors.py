@@ -147,9 +147,10 @@ def cancelled_by_callee(exc: BaseException | None = None) -> APIError:
     CancelledError): passed on as is, it would end a stream with no error and no [DONE], and
     Serve's proxy would log it as the client gone. Logged with where it came from."""
     logging.getLogger("serve_app.errors").warning("A callee cancelled the request", exc_info=exc)
-    return APIError(
-        "The model replica cancelled the request; retry shortly.",
-        status=503,
-        type="server_error",
-        code="engine_unavailable",
-    )
+    return engine_unavailable("The model replica cancelled the request; retry shortly.")
+
+
+def engine_unavailable(message: str) -> APIError:
+    """503 ``engine_unavailable``: the engine under a request went away; resubmitted when no
+    token went out yet (``ingress.handles.resubmitted_once``, ``replica_lost``)."""
+    return APIError(message, status=503, type="server_error", code="engine_unavailable")

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from serve_app.errors import APIError, ErrorInfo
+from serve_app.errors import APIError, ErrorInfo, engine_unavailable
 from serve_app.hops import ChannelOffer, ChannelOpen, EngineRequest, EngineStep, OnChannel
 
 logger = logging.getLogger("serve_app.ingress")
@@ -35,13 +35,7 @@ _CALL_ENDED = object()
 
 
 def channel_lost() -> APIError:
-    # engine_unavailable: resubmitted when no token went out yet (handles.resubmitted_once).
-    return APIError(
-        "The engine replica's output channel was lost; retry shortly.",
-        status=503,
-        type="server_error",
-        code="engine_unavailable",
-    )
+    return engine_unavailable("The engine replica's output channel was lost; retry shortly.")
 
 
 class EngineChannels:

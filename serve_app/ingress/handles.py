@@ -17,7 +17,13 @@ from typing import Any
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.errors import APIError, cancelled_by_callee, cancelled_here, replica_lost
+from serve_app.errors import (
+    APIError,
+    cancelled_by_callee,
+    cancelled_here,
+    engine_unavailable,
+    replica_lost,
+)
 
 logger = logging.getLogger("serve_app.ingress")
 # Before a resubmission: Serve's handle drops a dead replica when the failed call settles.
@@ -48,12 +54,8 @@ def timeout_error(timeout_s: float) -> APIError:
 
 
 def replica_gone() -> APIError:
-    # engine_unavailable: resubmitted when no token went out yet (resubmitted_once).
-    return APIError(
-        "The engine replica serving the request was lost (dead or hung); retry shortly.",
-        status=503,
-        type="server_error",
-        code="engine_unavailable",
+    return engine_unavailable(
+        "The engine replica serving the request was lost (dead or hung); retry shortly."
     )
 
 
